@@ -1,0 +1,3 @@
+from serve_app.cli import main
+
+raise SystemExit(main())

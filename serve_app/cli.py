@@ -1,0 +1,104 @@
+"""Command line: ``python -m serve_app generate PROMPT [...]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from serve_app.config import EngineConfig, SpeculationConfig
+from serve_app.engine.engine import RequestError
+from serve_app.engine.request import GenerationParams
+from serve_app.models.runner import ModelLoadError
+from serve_app.models.sources import DEFAULT_MODEL, ModelSourceError
+from serve_app.speculation.types import SamplingParams
+
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt with speculative decoding")
+    p.add_argument("prompt")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="target: HF folder, .gguf file or embedded name")
+    p.add_argument("--draft", default="ngram", help="draft model source, 'ngram' or 'none'")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="block size k (0 = plain decoding)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = no top-k filtering")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _check_sampling(args: argparse.Namespace) -> None:
+    if args.temperature < 0:
+        raise SystemExit("--temperature must be >= 0")
+    if not 0 < args.top_p <= 1:
+        raise SystemExit("--top-p must be in (0, 1]")
+    if args.top_k < 0:
+        raise SystemExit("--top-k must be >= 0")
+    if args.max_tokens < 1:
+        raise SystemExit("--max-tokens must be >= 1")
+
+
+def generate(args: argparse.Namespace) -> int:
+    from serve_app.engine.factory import build_engine  # torch import only when needed
+
+    _check_sampling(args)
+    try:
+        config = EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            max_batch_size=1,
+            max_seq_len=4096,
+            num_threads=args.threads,
+            speculation=SpeculationConfig(draft=args.draft, num_speculative_tokens=args.num_speculative_tokens),
+        )
+        engine = build_engine(config)
+    except ValidationError as e:
+        raise SystemExit(f"invalid option: {e.errors()[0]['loc'][-1]}: {e.errors()[0]['msg']}") from e
+    except (ModelSourceError, ModelLoadError) as e:
+        raise SystemExit(str(e)) from e
+    tokenizer = engine.tokenizer
+    if args.chat:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    else:
+        ids = tokenizer.encode(args.prompt)
+    params = GenerationParams(
+        max_tokens=args.max_tokens,
+        sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
+        stop=tuple(args.stop),
+    )
+    try:
+        out = engine.generate([ids], params)[0]
+    except RequestError as e:
+        raise SystemExit(str(e)) from e
+    if args.json:
+        print(json.dumps(out.as_dict()))
+    else:
+        print(out.text)
+        s = out.stats
+        print(
+            f"\n[{len(out.token_ids)} tokens, {out.tokens_per_second:.1f} tok/s, finish={out.finish_reason}, "
+            f"acceptance {s.acceptance_rate:.2f}, mean acceptance length {s.mean_acceptance_length:.2f}, "
+            f"target passes {s.target_forward_passes}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="python -m serve_app", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    args = parser.parse_args(argv)
+    return {"generate": generate}[args.command](args)

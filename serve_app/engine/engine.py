@@ -1,0 +1,164 @@
+"""The engine: admits requests, runs speculation rounds over the running batch, reports outputs.
+
+It talks to a target verifier and to proposers only through ``add_sequence``/``remove_sequence``
+and the typed round messages, so either side can be a local object or (next) a Ray actor handle.
+
+One round, for every running sequence at once (Leviathan et al. 2023, Algorithm 1, batched):
+
+    block  = concat(proposer.propose(its sequences, k_i) for each proposer)   # draft
+    result = target.verify(block)                                           # score + accept
+    proposer.observe(result)                                                # roll back / extend
+    each request appends result.new_tokens(i) and checks its stop conditions
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+from serve_app.config import SpeculationMethod
+from serve_app.engine.request import GenerationParams, Request, RequestOutput
+from serve_app.engine.stats import SpecStats
+from serve_app.speculation.proposers.base import Proposer
+from serve_app.speculation.types import ProposalBlock
+from serve_app.speculation.verifier import TargetVerifier
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (too long, unknown method, ...); a client error."""
+
+
+class Engine:
+    def __init__(
+        self,
+        verifier: TargetVerifier,
+        proposers: Mapping[SpeculationMethod, Proposer],
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        default_method: SpeculationMethod,
+        default_k: int,
+        max_seq_len: int,
+        eos_ids: Iterable[int],
+    ):
+        if default_method not in proposers:
+            raise ValueError(f"default method {default_method!r} has no proposer")
+        self.verifier = verifier
+        self.proposers = dict(proposers)
+        self.tokenizer = tokenizer
+        self.default_method = default_method
+        self.default_k = default_k
+        self.max_seq_len = max_seq_len
+        self.eos_ids = frozenset(eos_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: dict[str, Request] = {}
+        self.stats = SpecStats()
+        self.round_times: list[float] = []
+        self._ids = itertools.count()
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, prompt_ids: Sequence[int], params: GenerationParams,
+                    request_id: str | None = None) -> str:
+        method = params.method or self.default_method
+        if method not in self.proposers:
+            raise RequestError(f"speculation method {method!r} is not available here; "
+                               f"available: {sorted(self.proposers)}")
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        if params.max_tokens < 1:
+            raise RequestError("max_tokens must be at least 1")
+        if len(prompt_ids) + params.max_tokens > self.max_seq_len:
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context of {self.max_seq_len} tokens"
+            )
+        k = self.default_k if params.num_speculative_tokens is None else params.num_speculative_tokens
+        if method == "none":
+            k = 0
+        request_id = request_id or f"req-{next(self._ids)}"
+        self.waiting.append(Request(request_id, list(prompt_ids), params, method, k))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        for req in list(self.waiting):
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+        req = self.running.pop(request_id, None)
+        if req is not None:
+            self._release(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Admit what fits, run one speculation round; return an output for every running request."""
+        self._admit()
+        if not self.running:
+            return []
+        requests = list(self.running.values())
+        start = time.perf_counter()
+        block = self._propose(requests)
+        result = self.verifier.verify(block)
+        for proposer in self.proposers.values():
+            proposer.observe(result)
+        self.round_times.append(time.perf_counter() - start)
+
+        by_id = {r.request_id: r for r in requests}
+        outputs = []
+        for i, seq_id in enumerate(result.seq_ids):
+            req = by_id[seq_id]
+            drafted, accepted = int(result.num_draft_tokens[i]), int(result.num_accepted[i])
+            req.stats.record_round(drafted, accepted)
+            self.stats.record_round(drafted, accepted)
+            req.append(result.new_tokens(i), self.eos_ids, self.tokenizer)
+            if req.finish_reason is not None:
+                del self.running[seq_id]
+                self._release(req)
+            outputs.append(req.take_output())
+        return outputs
+
+    def _admit(self) -> None:
+        while self.waiting and self.verifier.free_slots > 0:
+            req = self.waiting.popleft()
+            params = req.params.sampling
+            self.verifier.add_sequence(req.request_id, req.prompt_ids, params)
+            self.proposers[req.method].add_sequence(req.request_id, req.prompt_ids, params)
+            if len(req.prompt_ids) > 1:
+                req.stats.target_forward_passes += 1  # the prefill
+            self.running[req.request_id] = req
+
+    def _propose(self, requests: Sequence[Request]) -> ProposalBlock:
+        blocks = []
+        for method, proposer in self.proposers.items():
+            group = [r for r in requests if r.method == method]
+            if group:
+                blocks.append(proposer.propose([r.request_id for r in group], [self._block_size(r) for r in group]))
+        return ProposalBlock.concat(blocks)
+
+    def _block_size(self, req: Request) -> int:
+        # Never draft past max_tokens (the target adds one token of its own) or past the cache.
+        remaining = req.params.max_tokens - len(req.output_ids) - 1
+        room = self.max_seq_len - req.num_tokens - 1
+        return max(0, min(req.num_speculative_tokens, remaining, room))
+
+    def _release(self, req: Request) -> None:
+        self.verifier.remove_sequence(req.request_id)
+        self.proposers[req.method].remove_sequence(req.request_id)
+
+    # ---- convenience --------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], params: GenerationParams | Sequence[GenerationParams]
+                 ) -> list[RequestOutput]:
+        """Run requests to completion (batched up to the runner's slots); outputs in prompt order."""
+        plist = [params] * len(prompts) if isinstance(params, GenerationParams) else list(params)
+        ids = [self.add_request(p, gp) for p, gp in zip(prompts, plist, strict=True)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]

@@ -1,0 +1,70 @@
+"""Build an engine from an ``EngineConfig``: resolve sources, load runners, pick proposers."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from serve_app.config import EngineConfig, SpeculationMethod
+from serve_app.engine.engine import Engine
+from serve_app.models.runner import ModelRunner, RunnerConfig
+from serve_app.models.sources import resolve
+from serve_app.speculation.proposers.base import NoProposer, Proposer
+from serve_app.speculation.proposers.draft_model import DraftModelProposer
+from serve_app.speculation.proposers.ngram import NgramProposer
+from serve_app.speculation.verifier import TargetVerifier
+
+log = logging.getLogger(__name__)
+
+
+def runner_config(config: EngineConfig) -> RunnerConfig:
+    return RunnerConfig(
+        dtype=config.dtype,
+        max_batch_size=config.max_batch_size,
+        # one speculative block of headroom past the request budget
+        max_seq_len=config.max_seq_len + config.speculation.num_speculative_tokens + 1,
+        device=config.device,
+    )
+
+
+def eos_token_ids(runner: ModelRunner, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(runner.hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    gen = runner.path / "generation_config.json"
+    if gen.is_file():
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(runner.path).eos_token_id
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return ids
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    cache_dir = Path(config.cache_dir) if config.cache_dir else None
+    target = ModelRunner(resolve(config.model, cache_dir), runner_config(config))
+    tokenizer = target.load_tokenizer()
+    spec = config.speculation
+    proposers: dict[SpeculationMethod, Proposer] = {
+        "none": NoProposer(),
+        "ngram": NgramProposer(spec.ngram_min, spec.ngram_max),
+    }
+    if spec.method == "draft":
+        draft = ModelRunner(resolve(spec.draft, cache_dir), runner_config(config))
+        proposers["draft"] = DraftModelProposer(draft, spec.draft_top_k, vocab_limit=target.vocab_size)
+    return Engine(
+        TargetVerifier(target),
+        proposers,
+        tokenizer,
+        default_method=spec.method,
+        default_k=spec.num_speculative_tokens,
+        max_seq_len=config.max_seq_len,
+        eos_ids=eos_token_ids(target, tokenizer),
+    )

@@ -1,0 +1,120 @@
+"""A request's parameters, its running state, and what the engine reports back."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from transformers import PreTrainedTokenizerBase
+
+from serve_app.config import SpeculationMethod
+from serve_app.engine.stats import SpecStats
+from serve_app.speculation.types import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int = 128
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    method: SpeculationMethod | None = None  # None: the engine's configured proposer
+    num_speculative_tokens: int | None = None  # None: the engine's default; 0: plain decoding
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated ids only (an EOS that ended the request included)
+    text: str
+    finish_reason: FinishReason | None
+    stats: SpecStats
+    elapsed_s: float
+    new_text: str = ""  # text added since the previous output of this request (for streaming)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stats": {**self.stats.as_dict(), "tokens_per_second": round(self.tokens_per_second, 2)},
+        }
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: GenerationParams
+    method: SpeculationMethod
+    num_speculative_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted_text_len: int = 0
+    finish_reason: FinishReason | None = None
+    stats: SpecStats = field(default_factory=SpecStats)
+    arrival: float = field(default_factory=time.perf_counter)
+    finished_at: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def append(self, tokens: list[int], eos_ids: frozenset[int], tokenizer: PreTrainedTokenizerBase) -> None:
+        """Take a round's new tokens one by one until a stop condition; later ones are dropped."""
+        for token in tokens:
+            self.output_ids.append(token)
+            if not self.params.ignore_eos and token in eos_ids:
+                self._finish("stop")
+                break
+            if self.params.stop and self._hit_stop_string(tokenizer):
+                self._finish("stop")
+                return  # text already cut before the stop string
+            if len(self.output_ids) >= self.params.max_tokens:
+                self._finish("length")
+                break
+        if not self.params.stop:  # with stop strings, _hit_stop_string keeps text current
+            self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+
+    def _hit_stop_string(self, tokenizer: PreTrainedTokenizerBase) -> bool:
+        text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        # Only the tail can hold a new match: the last token plus the longest stop string.
+        tail_from = max(0, len(self.text) - max(len(s) for s in self.params.stop))
+        for stop in self.params.stop:
+            at = text.find(stop, tail_from)
+            if at >= 0:
+                self.text = text[:at]
+                return True
+        self.text = text
+        return False
+
+    def _finish(self, reason: FinishReason) -> None:
+        self.finish_reason = reason
+        self.finished_at = time.perf_counter()
+
+    def abort(self) -> None:
+        if self.finish_reason is None:
+            self._finish("abort")
+
+    def take_output(self) -> RequestOutput:
+        # Hold back a trailing replacement character: it may be half of a multi-byte character.
+        stable = self.text if self.finish_reason else self.text.rstrip("\ufffd")
+        new_text = stable[self.emitted_text_len:]
+        self.emitted_text_len = max(self.emitted_text_len, len(stable))
+        end = self.finished_at or time.perf_counter()
+        return RequestOutput(
+            self.request_id, self.prompt_ids, list(self.output_ids), self.text, self.finish_reason,
+            self.stats, end - self.arrival, new_text,
+        )

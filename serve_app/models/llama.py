@@ -1,0 +1,206 @@
+"""Our own forward pass for the Llama family (Llama, Qwen2, Qwen3, Mistral; SmolLM2 is Llama).
+
+Written in the style of gpt-fast's ``model.py``: plain modules and a static, slot-based KV cache
+written by position. Every call scores a ragged batch: each sequence brings its own tokens at its
+own positions, so prefill, decode and block verification are one code path. Module and parameter
+names mirror Hugging Face's, so a safetensors checkpoint loads with ``load_state_dict``.
+
+Rotary tables come from transformers' ``LlamaRotaryEmbedding`` (it knows every ``rope_type``), so
+position encoding matches the Hugging Face oracle by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What distinguishes one member of the family from another."""
+
+    qkv_bias: bool  # Qwen2 has biases on q/k/v
+    qk_norm: bool  # Qwen3 RMS-normalises each head of q and k before RoPE
+
+
+def arch_spec(config: PretrainedConfig) -> ArchSpec:
+    model_type = config.model_type
+    if model_type in ("llama", "mistral"):
+        return ArchSpec(qkv_bias=bool(getattr(config, "attention_bias", False)), qk_norm=False)
+    if model_type == "qwen2":
+        return ArchSpec(qkv_bias=True, qk_norm=False)
+    if model_type == "qwen3":
+        return ArchSpec(qkv_bias=bool(getattr(config, "attention_bias", False)), qk_norm=True)
+    raise ValueError(f"unsupported model_type {model_type!r}")
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class Batch:
+    """One ragged forward: per-sequence cache slots and token positions, padded to ``T`` columns."""
+
+    tokens: torch.Tensor  # [batch, T] int64, pad columns hold any valid id
+    positions: torch.Tensor  # [batch, T] int64; pad columns point at the scratch position
+    slots: torch.Tensor  # [batch] int64, KV-cache slot of each sequence
+    mask: torch.Tensor  # [batch, 1, T, L] bool, True = may attend
+    context_len: int  # L: cache columns the batch reads
+
+
+class KVCache(nn.Module):
+    """Static cache ``[slots, kv_heads, capacity + 1, head_dim]`` per layer.
+
+    The extra last column is a scratch position: padding tokens write there, so a ragged batch
+    never disturbs another sequence's (or its own) valid entries.
+    """
+
+    def __init__(self, slots: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        shape = (slots, kv_heads, capacity + 1, head_dim)
+        self.k = nn.Buffer(torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.v = nn.Buffer(torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # k, v: [batch, T, kv_heads, head_dim]
+        rows = batch.slots[:, None]
+        self.k[rows, :, batch.positions] = k
+        self.v[rows, :, batch.positions] = v
+        L = batch.context_len
+        return self.k[batch.slots, :, :L], self.v[batch.slots, :, :L]  # [batch, kv_heads, L, head_dim]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and scale in the input dtype, exactly as transformers does.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [batch, T, heads, head_dim]; cos, sin: [batch, T, 1, head_dim]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, spec: ArchSpec):
+        super().__init__()
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=False)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch,
+                cache: KVCache) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        keys, values = cache.update(batch, k, v)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=batch.mask, enable_gqa=True
+        )  # [batch, heads, T, head_dim]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, spec: ArchSpec):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, spec)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, batch: Batch, cache: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """``model.*`` in Hugging Face checkpoints."""
+
+    def __init__(self, config: PretrainedConfig, spec: ArchSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, spec) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """A Llama-family decoder with a static slot-based KV cache."""
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {config.model_type!r}")
+        self.config = config
+        self.model = Backbone(config, arch_spec(config))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.caches = nn.ModuleList()
+        self.sliding_window: int | None = getattr(config, "sliding_window", None) \
+            if config.model_type == "mistral" else None
+        self.cos = self.sin = torch.empty(0)
+
+    def setup_caches(self, slots: int, capacity: int, dtype: torch.dtype) -> None:
+        """Allocate the KV cache and the rotary tables for positions ``[0, capacity]``."""
+        attn = self.model.layers[0].self_attn
+        device = self.lm_head.weight.device
+        self.caches = nn.ModuleList(
+            KVCache(slots, attn.kv_heads, capacity, attn.head_dim, dtype, device)
+            for _ in self.model.layers
+        )
+        rope = LlamaRotaryEmbedding(self.config).to(device)
+        positions = torch.arange(capacity + 1, device=device)[None]
+        cos, sin = rope(torch.zeros(1, dtype=torch.float32, device=device), positions)
+        self.cos, self.sin = cos[0].to(dtype), sin[0].to(dtype)  # [capacity + 1, head_dim]
+
+    def hidden_states(self, batch: Batch) -> torch.Tensor:
+        """Final-norm hidden states ``[batch, T, hidden]``; writes the batch's keys and values."""
+        x = self.model.embed_tokens(batch.tokens)
+        cos = self.cos[batch.positions][:, :, None]  # [batch, T, 1, head_dim]
+        sin = self.sin[batch.positions][:, :, None]
+        for layer, cache in zip(self.model.layers, self.caches, strict=True):
+            x = layer(x, cos, sin, batch, cache)
+        return self.model.norm(x)

@@ -1,0 +1,178 @@
+"""The torch model runner: one model, its KV cache, and the lengths of the sequences it holds.
+
+A runner is the unit a worker owns (the draft side or the target side). It knows nothing about
+speculation: callers append tokens to sequences and read logits back. Rolling a sequence back is
+``truncate``, an O(1) length change: cache entries past the new length are overwritten by the next
+write (gpt-fast's convention).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+
+from serve_app.models.llama import SUPPORTED_MODEL_TYPES, Batch, CausalLM
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DType = Literal["float32", "bfloat16"]
+
+
+class ModelLoadError(RuntimeError):
+    """A model folder that cannot be served: unsupported architecture, missing or corrupt weights."""
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """The slice of configuration a runner needs."""
+
+    dtype: DType = "float32"
+    max_batch_size: int = 8
+    max_seq_len: int = 2048  # prompt + generated + one speculative block, per sequence
+    device: str = "cpu"
+
+
+def load_causal_lm(path: Path, dtype: torch.dtype, device: str = "cpu") -> CausalLM:
+    """Build our model from a Hugging Face folder (config.json + *.safetensors)."""
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
+        raise ModelLoadError(f"{path}: cannot read config.json ({e})") from e
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{path}: model_type {config.model_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (the Llama family)"
+        )
+    if getattr(config, "use_sliding_window", False):
+        raise ModelLoadError(f"{path}: Qwen sliding-window attention is not supported")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights found")
+    with torch.device("meta"):
+        model = CausalLM(config)
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(f))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise ModelLoadError(f"{f}: corrupt or unreadable safetensors file ({e})") from e
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ModelLoadError(f"{path}: weights do not match the architecture: "
+                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(device=device, dtype=dtype).eval()
+
+
+class ModelRunner:
+    """Owns one model and the KV state of the sequences it serves."""
+
+    def __init__(self, path: str | Path, config: RunnerConfig = RunnerConfig()):
+        start = time.perf_counter()
+        self.path = Path(path)
+        self.config = config
+        self.dtype = DTYPES[config.dtype]
+        self.model = load_causal_lm(self.path, self.dtype, config.device)
+        self.hf_config = self.model.config
+        self.vocab_size: int = self.hf_config.vocab_size
+        self.capacity = config.max_seq_len
+        self.model.setup_caches(config.max_batch_size, self.capacity, self.dtype)
+        self._free_slots = list(range(config.max_batch_size - 1, -1, -1))
+        self._slot: dict[str, int] = {}
+        self._length: dict[str, int] = {}
+        log.info("loaded %s (%s) in %.1fs", self.path, config.dtype, time.perf_counter() - start)
+
+    def load_tokenizer(self) -> PreTrainedTokenizerBase:
+        return AutoTokenizer.from_pretrained(self.path)
+
+    # ---- sequence bookkeeping -------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def add(self, seq_id: str) -> None:
+        if seq_id in self._slot:
+            raise KeyError(f"sequence {seq_id!r} already present")
+        if not self._free_slots:
+            raise RuntimeError("no free KV-cache slot")
+        self._slot[seq_id] = self._free_slots.pop()
+        self._length[seq_id] = 0
+
+    def release(self, seq_id: str) -> None:
+        self._free_slots.append(self._slot.pop(seq_id))
+        del self._length[seq_id]
+
+    def length(self, seq_id: str) -> int:
+        """Number of tokens whose keys and values are in the cache."""
+        return self._length[seq_id]
+
+    def truncate(self, seq_id: str, length: int) -> None:
+        """Roll a sequence back to ``length`` cached tokens (O(1))."""
+        if not 0 <= length <= self._length[seq_id]:
+            raise ValueError(f"cannot truncate {seq_id!r} from {self._length[seq_id]} to {length}")
+        self._length[seq_id] = length
+
+    # ---- forward ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        seq_ids: Sequence[str],
+        tokens: Sequence[Sequence[int]],
+        logits: Literal["last", "all"] = "last",
+    ) -> torch.Tensor:
+        """Append ``tokens[i]`` to sequence ``seq_ids[i]`` and return float32 logits.
+
+        ``logits="last"``: ``[batch, vocab]`` after each sequence's last new token.
+        ``logits="all"``: ``[batch, T, vocab]`` for every new token; rows past a sequence's own
+        token count are padding.
+        """
+        hidden, lengths = self._hidden(seq_ids, tokens)
+        if logits == "last":
+            hidden = hidden[torch.arange(len(seq_ids)), torch.tensor(lengths) - 1]
+        return self.model.lm_head(hidden).float()
+
+    def _hidden(self, seq_ids: Sequence[str], tokens: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
+        batch, lengths = self._make_batch(seq_ids, tokens)
+        hidden = self.model.hidden_states(batch)
+        for seq_id, n in zip(seq_ids, lengths, strict=True):
+            self._length[seq_id] += n
+        return hidden, lengths
+
+    def _make_batch(self, seq_ids: Sequence[str], tokens: Sequence[Sequence[int]]) -> tuple[Batch, list[int]]:
+        lengths = [len(t) for t in tokens]
+        if not seq_ids or min(lengths) == 0:
+            raise ValueError("every sequence in a forward needs at least one token")
+        T = max(lengths)
+        starts = [self._length[s] for s in seq_ids]
+        for s, start, n in zip(seq_ids, starts, lengths, strict=True):
+            if start + n > self.capacity:
+                raise ValueError(f"sequence {s!r} would exceed max_seq_len={self.capacity}")
+        device = self.config.device
+        tok = torch.zeros(len(seq_ids), T, dtype=torch.long)
+        pos = torch.full((len(seq_ids), T), self.capacity, dtype=torch.long)  # scratch position
+        for i, (t, start, n) in enumerate(zip(tokens, starts, lengths, strict=True)):
+            tok[i, :n] = torch.as_tensor(t, dtype=torch.long)
+            pos[i, :n] = torch.arange(start, start + n)
+        context_len = max(s + n for s, n in zip(starts, lengths, strict=True))
+        key_pos = torch.arange(context_len)
+        query_pos = pos.clamp(max=context_len - 1)[:, None, :, None]  # [batch, 1, T, 1]
+        mask = key_pos <= query_pos  # causal by absolute position; entries past it are stale
+        window = self.model.sliding_window
+        if window is not None:
+            mask &= key_pos > query_pos - window
+        slots = torch.tensor([self._slot[s] for s in seq_ids], dtype=torch.long)
+        batch = Batch(tok.to(device), pos.to(device), slots.to(device), mask.to(device), context_len)
+        return batch, lengths

@@ -1,0 +1,71 @@
+"""The proposer protocol: propose a block, then learn the outcome (transformers' CandidateGenerator).
+
+The engine treats a draft model and n-gram lookup alike. A proposer keeps its own copy of each
+sequence's tokens, so the same object can live in another process (a Ray actor) and be fed only
+the typed messages of ``serve_app.speculation.types``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from serve_app.speculation.types import ProposalBlock, SamplingParams, VerifyResult
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Start tracking a sequence (a draft model prefills it here)."""
+
+    def remove_sequence(self, seq_id: str) -> None:
+        """Forget a finished or aborted sequence."""
+
+    def propose(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> ProposalBlock:
+        """Up to ``num_tokens[i]`` draft tokens for each sequence (fewer where it has none)."""
+
+    def observe(self, result: VerifyResult) -> None:
+        """Learn what the target kept; rows of sequences this proposer does not hold are ignored."""
+
+
+class TokenHistory:
+    """Each sequence's tokens as the target has decided them (shared by proposers)."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.params: dict[str, SamplingParams] = {}
+
+    def add(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("a sequence needs at least one prompt token")
+        self.tokens[seq_id] = list(prompt_ids)
+        self.params[seq_id] = params
+
+    def remove(self, seq_id: str) -> None:
+        self.tokens.pop(seq_id, None)
+        self.params.pop(seq_id, None)
+
+    def extend(self, result: VerifyResult) -> list[str]:
+        """Append each held row's new tokens; return the seq_ids that were held."""
+        held = []
+        for i, seq_id in enumerate(result.seq_ids):
+            if seq_id in self.tokens:
+                self.tokens[seq_id].extend(result.new_tokens(i))
+                held.append(seq_id)
+        return held
+
+
+class NoProposer:
+    """Plain decoding: proposes nothing, so every round is one target step."""
+
+    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        pass
+
+    def remove_sequence(self, seq_id: str) -> None:
+        pass
+
+    def propose(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> ProposalBlock:
+        return ProposalBlock.make_dummy(seq_ids, [[] for _ in seq_ids])
+
+    def observe(self, result: VerifyResult) -> None:
+        pass

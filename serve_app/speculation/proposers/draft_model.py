@@ -1,0 +1,103 @@
+"""A draft model as proposer: k autoregressive steps of a small model from the same family.
+
+Greedy rows take the draft's argmax. Sampled rows draw from q' = the draft's distribution (the
+request's temperature/top-k/top-p), truncated to its ``width`` most likely tokens and renormalised;
+q' travels sparsely in the block. Speculative sampling is exact for the q a token was really drawn
+from, so truncation changes acceptance, never the output distribution.
+
+KV bookkeeping (DESIGN.md): the draft's cache holds every token of the sequence but the last. After
+proposing d_1..d_k it holds d_1..d_{k-1} too. When the target keeps n drafts, the valid prefix is
+min(cached, len(history) - 1); the rest is rolled back by a length change. If all k were accepted,
+the draft never saw d_k: the next ``propose`` feeds it together with the target's bonus token.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+
+from serve_app.models.runner import ModelRunner
+from serve_app.speculation.proposers.base import TokenHistory
+from serve_app.speculation.sampling import probabilities, truncate_top
+from serve_app.speculation.types import PAD_TOKEN, ProposalBlock, SamplingParams, VerifyResult
+
+DRAFT_SEED_OFFSET = 0x5EED  # the draft's generator must not replay the target's random stream
+
+
+class DraftModelProposer:
+    def __init__(self, runner: ModelRunner, width: int = 32, vocab_limit: int | None = None):
+        """``width``: support size K of the shipped q'. ``vocab_limit``: the target's vocabulary
+        size when the draft's embedding matrix is larger (padded rows are never proposed)."""
+        self.runner = runner
+        self.width = width
+        self.vocab_limit = vocab_limit
+        self.history = TokenHistory()
+        self.generators: dict[str, torch.Generator] = {}
+
+    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        self.history.add(seq_id, prompt_ids, params)
+        self.runner.add(seq_id)
+        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        self.generators[seq_id] = torch.Generator().manual_seed(seed + DRAFT_SEED_OFFSET)
+        if len(prompt_ids) > 1:
+            self.runner.forward([seq_id], [list(prompt_ids[:-1])])
+
+    def remove_sequence(self, seq_id: str) -> None:
+        if seq_id in self.generators:
+            self.runner.release(seq_id)
+            del self.generators[seq_id]
+        self.history.remove(seq_id)
+
+    def propose(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> ProposalBlock:
+        k = max(num_tokens, default=0)
+        batch = len(seq_ids)
+        params = [self.history.params[s] for s in seq_ids]
+        greedy = all(p.greedy for p in params)
+        tokens = torch.full((batch, k), PAD_TOKEN, dtype=torch.long)
+        q_ids = None if greedy else torch.full((batch, k, self.width), PAD_TOKEN, dtype=torch.long)
+        q_probs = None if greedy else torch.zeros((batch, k, self.width), dtype=torch.float32)
+
+        rows = [i for i in range(batch) if num_tokens[i] > 0]
+        feed = [self.history.tokens[seq_ids[i]][self.runner.length(seq_ids[i]):] for i in rows]
+        for step in range(k):
+            if not rows:
+                break
+            logits = self.runner.forward([seq_ids[i] for i in rows], feed)  # [rows, vocab]
+            if self.vocab_limit is not None and logits.shape[-1] > self.vocab_limit:
+                logits[:, self.vocab_limit:] = float("-inf")
+            chosen = self._choose(logits, [seq_ids[i] for i in rows], [params[i] for i in rows])
+            for r, i in enumerate(rows):
+                token, ids, probs = chosen[r]
+                tokens[i, step] = token
+                if ids is not None and q_ids is not None and q_probs is not None:
+                    q_ids[i, step], q_probs[i, step] = ids, probs
+            # Rows that still need tokens feed the one they just drew (the last is never fed).
+            keep = [r for r, i in enumerate(rows) if step + 1 < num_tokens[i]]
+            feed = [[int(tokens[rows[r], step])] for r in keep]
+            rows = [rows[r] for r in keep]
+        lengths = torch.tensor([min(n, k) for n in num_tokens], dtype=torch.long)
+        return ProposalBlock(tuple(seq_ids), tokens, lengths, q_ids, q_probs)
+
+    def _choose(
+        self, logits: torch.Tensor, seq_ids: Sequence[str], params: Sequence[SamplingParams]
+    ) -> list[tuple[int, torch.Tensor | None, torch.Tensor | None]]:
+        """Per row: (token, q' support ids, q' probs); the q' entries are None for greedy rows."""
+        out: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = [
+            (int(t), None, None) for t in logits.argmax(dim=-1)
+        ]
+        sampled = [r for r, p in enumerate(params) if not p.greedy]
+        if sampled:
+            probs = probabilities(logits[sampled][:, None], [params[r] for r in sampled])[:, 0]
+            ids, q = truncate_top(probs, self.width)  # [rows, width]
+            for j, r in enumerate(sampled):
+                pick = torch.multinomial(q[j], 1, generator=self.generators[seq_ids[r]])
+                out[r] = (int(ids[j, pick]), ids[j], q[j])
+        return out
+
+    def observe(self, result: VerifyResult) -> None:
+        for seq_id in self.history.extend(result):
+            valid = len(self.history.tokens[seq_id]) - 1
+            if self.runner.length(seq_id) > valid:
+                self.runner.truncate(seq_id, valid)

@@ -1,0 +1,86 @@
+"""The target side of a speculation round: score a block in one forward pass and verify it.
+
+Owns the target runner and, per sequence, the one token the cache has not seen yet (the last token
+of the sequence). A round feeds ``[last, d_1..d_k]`` at the sequence's own positions, so the logits
+at column j give p for draft j+1 (and column k the bonus distribution). p never leaves this object;
+only a ``VerifyResult`` does. Rejected drafts are rolled back by a length change.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+
+from serve_app.models.runner import ModelRunner
+from serve_app.speculation.rejection_sampler import greedy_verify, rejection_sample
+from serve_app.speculation.sampling import probabilities
+from serve_app.speculation.types import PAD_TOKEN, ProposalBlock, SamplingParams, VerifyResult
+
+
+class TargetVerifier:
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.params: dict[str, SamplingParams] = {}
+        self.last_token: dict[str, int] = {}
+        self.generators: dict[str, torch.Generator] = {}
+
+    @property
+    def free_slots(self) -> int:
+        return self.runner.free_slots
+
+    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Prefill all prompt tokens but the last; the first round scores the last one."""
+        if not prompt_ids:
+            raise ValueError("a sequence needs at least one prompt token")
+        self.runner.add(seq_id)
+        self.params[seq_id] = params
+        self.last_token[seq_id] = int(prompt_ids[-1])
+        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        self.generators[seq_id] = torch.Generator().manual_seed(seed)
+        if len(prompt_ids) > 1:
+            self.runner.forward([seq_id], [list(prompt_ids[:-1])])
+
+    def remove_sequence(self, seq_id: str) -> None:
+        if seq_id in self.params:
+            self.runner.release(seq_id)
+            for table in (self.params, self.last_token, self.generators):
+                del table[seq_id]
+
+    def verify(self, block: ProposalBlock) -> VerifyResult:
+        seq_ids = block.seq_ids
+        k = int(block.num_draft_tokens.max()) if len(seq_ids) else 0
+        drafts = block.draft_tokens[:, :k]  # [batch, k]
+        counts = block.num_draft_tokens.tolist()
+        start = [self.runner.length(s) for s in seq_ids]
+        feed = [[self.last_token[s]] + drafts[i, : counts[i]].tolist() for i, s in enumerate(seq_ids)]
+        logits = self.runner.forward(seq_ids, feed, logits="all")  # [batch, k + 1, vocab]
+
+        output = torch.empty((len(seq_ids), k + 1), dtype=torch.long)
+        accepted = torch.empty(len(seq_ids), dtype=torch.long)
+        greedy = torch.tensor([self.params[s].greedy for s in seq_ids])
+        if greedy.any():
+            g = greedy.nonzero()[:, 0]
+            output[g], accepted[g] = greedy_verify(drafts[g], block.num_draft_tokens[g], logits[g].argmax(-1))
+        if not greedy.all():
+            s_rows = (~greedy).nonzero()[:, 0]
+            params = [self.params[seq_ids[i]] for i in s_rows.tolist()]
+            p = probabilities(logits[s_rows], params)  # [rows, k + 1, vocab]
+            q_ids, q_probs = block.q_ids, block.q_probs
+            if q_ids is None or q_probs is None:  # no proposer drafted for a sampled row
+                if bool((block.num_draft_tokens[s_rows] > 0).any()):
+                    raise ValueError("a block with sampled draft tokens must carry q")
+                q_ids = torch.full((len(seq_ids), k, 1), PAD_TOKEN, dtype=torch.long)
+                q_probs = torch.zeros((len(seq_ids), k, 1))
+            output[s_rows], accepted[s_rows] = rejection_sample(
+                drafts[s_rows], block.num_draft_tokens[s_rows],
+                q_ids[s_rows, :k], q_probs[s_rows, :k], p,
+                [self.generators[seq_ids[i]] for i in s_rows.tolist()],
+            )
+        for i, s in enumerate(seq_ids):
+            n = int(accepted[i])
+            # Cache keeps last + n accepted drafts; the new last token is not cached yet.
+            self.runner.truncate(s, start[i] + n + 1)
+            self.last_token[s] = int(output[i, n])
+        return VerifyResult(seq_ids, block.num_draft_tokens.clone(), accepted, output)

@@ -1,0 +1,86 @@
+"""Shared fixtures: tiny random Llama-family models (built in milliseconds) and the real embedded model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+TINY_VOCAB = 320
+CORPUS = [
+    "def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n",
+    "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun.",
+    "Speculative decoding drafts tokens with a small model and verifies them with a large one.",
+]
+CONFIGS = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen2": Qwen2Config, "mistral": MistralConfig}
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tk.train_from_iterator(CORPUS * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|im_end|>")
+
+
+def make_tiny_model(path: Path, kind: str = "llama", seed: int = 0, layers: int = 2, **overrides) -> Path:
+    """A random model of the given family, saved as a Hugging Face folder with a tokenizer."""
+    torch.manual_seed(seed)
+    tokenizer = tiny_tokenizer()
+    kwargs = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    model = AutoModelForCausalLM.from_config(CONFIGS[kind](**kwargs))
+    # Sharpen the output layer so greedy continuations are not ties and sampling is not uniform.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    out = {kind: make_tiny_model(root / kind, kind) for kind in CONFIGS}
+    out["llama_draft"] = make_tiny_model(root / "llama_draft", "llama", seed=1, layers=1)
+    out["qwen3_draft"] = make_tiny_model(root / "qwen3_draft", "qwen3", seed=2, layers=1)
+    out["qwen3_near"] = perturbed_copy(out["qwen3"], root / "qwen3_near", scale=0.5)
+    return out
+
+
+def perturbed_copy(path: Path, out: Path, scale: float) -> Path:
+    """A draft that agrees with the target often but not always: its weights plus noise."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for w in model.parameters():
+            w.add_(torch.randn(w.shape, generator=gen) * w.std() * scale)
+    model.save_pretrained(out)
+    tiny_tokenizer().save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The real embedded model (converted from GGUF once per machine, cached)."""
+    from serve_app.models.sources import resolve
+
+    return resolve("smollm2-135m-instruct")

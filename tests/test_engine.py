@@ -1,0 +1,190 @@
+"""The engine end to end on tiny random models: lossless greedy, exact sampling, stops, stats."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import AutoModelForCausalLM
+
+from serve_app.config import EngineConfig, SpeculationConfig
+from serve_app.engine.engine import RequestError
+from serve_app.engine.factory import build_engine
+from serve_app.engine.request import GenerationParams
+from serve_app.speculation.types import SamplingParams
+
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef mul(a, b):",
+    "The quick brown fox jumps over",
+    "Speculative decoding drafts tokens",
+    "dog dog dog dog",
+]
+
+
+def engine_for(target, draft="ngram", k=4, batch=4, seq_len=256):
+    config = EngineConfig(
+        model=str(target), dtype="float32", max_batch_size=batch, max_seq_len=seq_len,
+        speculation=SpeculationConfig(draft=str(draft), num_speculative_tokens=k),
+    )
+    return build_engine(config)
+
+
+def hf_greedy(path, prompt_ids, max_new_tokens):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_greedy_speculation_is_lossless(tiny_models, kind):
+    target = tiny_models[kind]
+    engine = engine_for(target, draft=tiny_models[f"{kind}_draft"])
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    plain = engine.generate(prompts, GenerationParams(max_tokens=40, method="none"))
+    for out, ids in zip(plain, prompts, strict=True):
+        assert out.token_ids == hf_greedy(target, ids, 40)  # independent oracle
+    variants = [("ngram", 4), ("ngram", 1), ("draft", 3), ("draft", 8)]
+    for method, k in variants:
+        spec = engine.generate(prompts, GenerationParams(max_tokens=40, method=method, num_speculative_tokens=k))
+        for s, p in zip(spec, plain, strict=True):
+            assert s.token_ids == p.token_ids, (method, k)
+            assert s.text == p.text and s.finish_reason == p.finish_reason
+    # the unrelated random draft proposed many tokens and the target rejected most
+    drafted = engine.generate(prompts, GenerationParams(max_tokens=40, method="draft"))
+    assert sum(o.stats.num_draft_tokens for o in drafted) > 0
+    assert sum(o.stats.acceptance_rate for o in drafted) / len(drafted) < 0.5
+
+
+def test_draft_identical_to_target_accepts_everything(tiny_models):
+    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3"], k=4)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    outs = engine.generate(prompts, GenerationParams(max_tokens=33, ignore_eos=True))
+    for out in outs:
+        assert len(out.token_ids) == 33
+        assert out.stats.acceptance_rate == 1.0
+        # 33 tokens = 6 full rounds of 5 (4 accepted + bonus) + a last round capped to 3
+        assert out.stats.target_forward_passes == 1 + 7
+        assert sum(out.stats.accepted_per_position) == out.stats.num_accepted_tokens == 32 - 6
+
+
+def test_stats_are_consistent(tiny_models):
+    engine = engine_for(tiny_models["llama"], draft=tiny_models["llama_draft"], k=3)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    for out in engine.generate(prompts, GenerationParams(max_tokens=30, ignore_eos=True)):
+        s = out.stats
+        rounds = s.target_forward_passes - 1
+        assert len(out.token_ids) == 30 == rounds + s.num_accepted_tokens
+        assert s.num_accepted_tokens <= s.num_draft_tokens
+        assert sum(s.accepted_per_position) == s.num_accepted_tokens
+        assert s.accepted_per_position == sorted(s.accepted_per_position, reverse=True)
+        assert s.mean_acceptance_length == pytest.approx(1 + s.num_accepted_tokens / s.num_drafts)
+    agg = engine.stats
+    assert agg.num_draft_tokens > 0 and agg.acceptance_rate == pytest.approx(
+        agg.num_accepted_tokens / agg.num_draft_tokens)
+
+
+def test_stop_conditions(tiny_models):
+    engine = engine_for(tiny_models["llama"], draft=tiny_models["llama"], k=4)
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    free = engine.generate([ids], GenerationParams(max_tokens=40, ignore_eos=True))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 40
+    # a stop string in the middle of an accepted block cuts text and tokens there
+    stop = free.text[10:14]
+    cut = engine.generate([ids], GenerationParams(max_tokens=40, stop=(stop,), ignore_eos=True))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == free.text[: free.text.index(stop)]
+    assert cut.token_ids == free.token_ids[: len(cut.token_ids)] and len(cut.token_ids) < 40
+    # EOS: force it by making the first generated token the EOS id
+    eos = engine.tokenizer.eos_token_id
+    first = free.token_ids[0]
+    engine.eos_ids = frozenset({first, eos})
+    out = engine.generate([ids], GenerationParams(max_tokens=40))[0]
+    assert out.finish_reason == "stop" and out.token_ids == [first]
+    for k in (1, 2, 5):
+        short = engine.generate([ids], GenerationParams(max_tokens=k, ignore_eos=True))[0]
+        assert short.token_ids == free.token_ids[:k] and short.finish_reason == "length"
+
+
+def test_per_request_method_and_k_in_one_batch(tiny_models):
+    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_draft"], k=2)
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    params = [
+        GenerationParams(max_tokens=20, method="none"),
+        GenerationParams(max_tokens=20, method="ngram", num_speculative_tokens=5),
+        GenerationParams(max_tokens=20, method="draft", num_speculative_tokens=0),
+        GenerationParams(max_tokens=20, method="draft", num_speculative_tokens=6),
+    ]
+    outs = engine.generate([ids] * 4, params)
+    assert len({tuple(o.token_ids) for o in outs}) == 1
+    assert outs[0].stats.num_draft_tokens == 0 and outs[2].stats.num_draft_tokens == 0
+    assert len(outs[3].stats.accepted_per_position) == 6
+
+
+def test_seeded_sampling_is_reproducible(tiny_models):
+    engine = engine_for(tiny_models["llama"], draft=tiny_models["llama_draft"], k=3)
+    ids = engine.tokenizer.encode(PROMPTS[2])
+    params = GenerationParams(max_tokens=24, sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=7))
+    a = engine.generate([ids], params)[0]
+    # the same seeded request batched with other sampled requests gives the same tokens
+    others = GenerationParams(max_tokens=24, sampling=SamplingParams(temperature=1.0))
+    b = engine.generate([ids, ids, ids], [others, params, others])[1]
+    assert a.token_ids == b.token_ids
+    c = engine.generate([ids], GenerationParams(max_tokens=24, sampling=SamplingParams(temperature=0.9, seed=8)))[0]
+    assert c.token_ids != a.token_ids
+
+
+def test_sampled_speculation_follows_the_target_distribution(tiny_models):
+    """Chi-square (ALPHA = 0.001) on the 2nd generated token, whose exact marginal we compute with
+    transformers: P(x2) = sum_x1 p(x1) p(x2 | x1), with temperature 1 and top_k = 3."""
+    target, draft = tiny_models["qwen3"], tiny_models["qwen3_near"]
+    engine = engine_for(target, draft=draft, k=3, batch=64)
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    sampling = dict(temperature=1.0, top_k=3)
+    n = 1500
+    # max_tokens = 3 caps the first block at 2 drafts: x2 is an accepted draft, a recovered or a bonus token
+    outs = engine.generate([ids] * n, [GenerationParams(max_tokens=3, ignore_eos=True,
+                                                         sampling=SamplingParams(**sampling, seed=i))
+                                        for i in range(n)])
+    counts = Counter(o.token_ids[1] for o in outs)
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+
+    def top3(logits):
+        p = torch.zeros_like(logits)
+        v, i = logits.topk(3)
+        return p.scatter(0, i, torch.softmax(v, 0))
+
+    with torch.no_grad():
+        p1 = top3(model(torch.tensor([ids])).logits[0, -1])
+        marginal = torch.zeros_like(p1)
+        for x1 in p1.nonzero()[:, 0].tolist():
+            marginal += p1[x1] * top3(model(torch.tensor([ids + [x1]])).logits[0, -1])
+    support = marginal.nonzero()[:, 0].tolist()
+    assert set(counts) <= set(support)
+    observed = [counts.get(t, 0) for t in support]
+    m = marginal[support].double()
+    expected = (m / m.sum() * sum(observed)).tolist()
+    assert chisquare(observed, expected).pvalue > 1e-3
+    stats = engine.stats  # the draft really took part, and was sometimes rejected
+    assert 0.2 < stats.acceptance_rate < 0.95, stats
+
+
+def test_bad_requests_are_refused(tiny_models):
+    engine = engine_for(tiny_models["llama"], draft="ngram", seq_len=64)
+    with pytest.raises(RequestError, match="exceeds the context of 64"):
+        engine.add_request(list(range(60)), GenerationParams(max_tokens=10))
+    with pytest.raises(RequestError, match="'draft' is not available"):
+        engine.add_request([1, 2], GenerationParams(method="draft"))
+    with pytest.raises(RequestError, match="prompt is empty"):
+        engine.add_request([], GenerationParams())
+    assert not engine.has_work
+
+
+def test_more_requests_than_slots_are_queued(tiny_models):
+    engine = engine_for(tiny_models["llama"], batch=2)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    batched = engine.generate(prompts, GenerationParams(max_tokens=12))
+    alone = [engine.generate([p], GenerationParams(max_tokens=12))[0] for p in prompts]
+    assert [o.token_ids for o in batched] == [o.token_ids for o in alone]

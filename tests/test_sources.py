@@ -1,0 +1,70 @@
+"""Model sources: folders, GGUF files, the embedded name, and the errors a user sees."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from serve_app.models.runner import ModelLoadError, ModelRunner
+from serve_app.models.sources import ModelSourceError, resolve
+
+
+def test_missing_path_names_the_accepted_forms(tmp_path):
+    with pytest.raises(ModelSourceError, match="does not exist.*Hugging Face folder.*gguf.*smollm2-135m-instruct"):
+        resolve(str(tmp_path / "nope"))
+
+
+def test_folder_without_config_or_weights(tmp_path):
+    with pytest.raises(ModelSourceError, match="no config.json"):
+        resolve(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelSourceError, match="no \\*.safetensors"):
+        resolve(str(tmp_path))
+
+
+def test_plain_file_that_is_not_gguf(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"123")
+    with pytest.raises(ModelSourceError, match="not a .gguf file"):
+        resolve(str(f))
+
+
+def test_corrupt_gguf_is_a_clear_error_and_leaves_no_cache(tmp_path):
+    f = tmp_path / "broken.gguf"
+    f.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(ModelSourceError, match="cannot read GGUF file"):
+        resolve(str(f), cache_dir=tmp_path / "cache")
+    assert not [p for p in (tmp_path / "cache" / "models").iterdir() if not p.name.endswith(".lock")]
+
+
+def test_unsupported_architecture(tiny_models, tmp_path):
+    folder = tmp_path / "gpt"
+    shutil.copytree(tiny_models["llama"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="model_type 'gpt2' is not supported.*llama"):
+        ModelRunner(resolve(str(folder)))
+
+
+def test_corrupt_safetensors(tiny_models, tmp_path):
+    folder = tmp_path / "corrupt"
+    shutil.copytree(tiny_models["llama"], folder)
+    (folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ModelLoadError, match="corrupt or unreadable safetensors"):
+        ModelRunner(resolve(str(folder)))
+
+
+@pytest.mark.slow
+def test_embedded_model_is_converted_once_and_reloads_fast(smollm2_path):
+    import time
+
+    start = time.perf_counter()
+    again = resolve("smollm2-135m-instruct")
+    assert again == smollm2_path
+    assert time.perf_counter() - start < 1.0
+    assert (again / "model.safetensors").is_file() and (again / "tokenizer.json").is_file()
+    config = json.loads((again / "config.json").read_text())
+    assert config["model_type"] == "llama" and "quantization_config" not in config
