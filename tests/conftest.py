@@ -62,7 +62,7 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     out = {kind: make_tiny_model(root / kind, kind) for kind in CONFIGS}
     out["llama_draft"] = make_tiny_model(root / "llama_draft", "llama", seed=1, layers=1)
     out["qwen3_draft"] = make_tiny_model(root / "qwen3_draft", "qwen3", seed=2, layers=1)
-    out["qwen3_near"] = perturbed_copy(out["qwen3"], root / "qwen3_near", scale=0.5)
+    out["qwen3_near"] = perturbed_copy(out["qwen3"], root / "qwen3_near", scale=2.0)
     return out
 
 

@@ -34,7 +34,10 @@ def test_proposer_tracks_history_and_ships_one_hot_q_when_sampling():
     assert block.draft_tokens.tolist() == [[3, 1], [5, 4]]  # "s" has only 2 tokens after its match
     assert block.num_draft_tokens.tolist() == [2, 2]
     assert block.q_ids is not None and block.q_ids[1, 0, 0] == 5 and block.q_probs[1, 0, 0] == 1.0
-    result = VerifyResult(("g", "x"), torch.tensor([2, 1]), torch.tensor([1, 0]), torch.tensor([[3, 8, PAD_TOKEN], [1, 2, 3]]))
+    # "x" belongs to another proposer: ignored
+    result = VerifyResult(
+        ("g", "x"), torch.tensor([2, 1]), torch.tensor([1, 0]), torch.tensor([[3, 8, PAD_TOKEN], [1, 2, 3]])
+    )
     prop.observe(result)
     assert prop.history.tokens["g"] == [1, 2, 3, 1, 2, 3, 8]
     prop.remove_sequence("g")

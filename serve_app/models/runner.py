@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from serve_app.models.llama import SUPPORTED_MODEL_TYPES, Batch, CausalLM
+from serve_app.models.llama import SUPPORTED_MODEL_TYPES, Batch, CausalLM, fuse_hf_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,10 @@ def load_causal_lm(path: Path, dtype: torch.dtype, device: str = "cpu") -> Causa
             raise ModelLoadError(f"{f}: corrupt or unreadable safetensors file ({e})") from e
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    try:
+        state = fuse_hf_state_dict(state)
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: weights do not match the architecture: missing {e}") from e
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
@@ -173,6 +177,9 @@ class ModelRunner:
         window = self.model.sliding_window
         if window is not None:
             mask &= key_pos > query_pos - window
-        slots = torch.tensor([self._slot[s] for s in seq_ids], dtype=torch.long)
-        batch = Batch(tok.to(device), pos.to(device), slots.to(device), mask.to(device), context_len)
+        slot_list = [self._slot[s] for s in seq_ids]
+        consecutive = slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list)))
+        slots = torch.tensor(slot_list, dtype=torch.long)
+        batch = Batch(tok.to(device), pos.to(device), slots.to(device), mask.to(device), context_len,
+                      (slot_list[0], slot_list[-1] + 1) if consecutive else None)
         return batch, lengths

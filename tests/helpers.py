@@ -1,0 +1,23 @@
+"""Helpers shared by test modules."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from serve_app.config import EngineConfig, SpeculationConfig
+from serve_app.engine.factory import build_engine
+
+
+def engine_for(target, draft="ngram", k=4, batch=4, seq_len=256):
+    config = EngineConfig(
+        model=str(target), dtype="float32", max_batch_size=batch, max_seq_len=seq_len,
+        speculation=SpeculationConfig(draft=str(draft), num_speculative_tokens=k),
+    )
+    return build_engine(config)
+
+
+def hf_greedy(path, prompt_ids, max_new_tokens):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()

@@ -1,0 +1,63 @@
+"""The CLI contract: ``python -m serve_app generate PROMPT [...] --json``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+STATS_KEYS = {
+    "num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_acceptance_length",
+    "accepted_per_position", "target_forward_passes", "tokens_per_second",
+}
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "serve_app", "generate", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_json_output_contract(tiny_models):
+    proc = run_cli("def add(a, b):", "--model", str(tiny_models["llama"]), "--draft", str(tiny_models["llama"]),
+                   "--num-speculative-tokens", "3", "--max-tokens", "12", "--dtype", "float32", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(out) == {"text", "token_ids", "finish_reason", "stats"}
+    assert set(out["stats"]) == STATS_KEYS
+    assert 1 <= len(out["token_ids"]) <= 12
+    assert out["finish_reason"] in ("stop", "length")
+    assert out["stats"]["acceptance_rate"] == 1.0  # draft == target
+
+
+def test_greedy_cli_equals_plain(tiny_models):
+    common = ["The quick brown fox", "--model", str(tiny_models["qwen3"]), "--max-tokens", "16", "--json"]
+    spec = json.loads(run_cli(*common, "--draft", "ngram").stdout)
+    plain = json.loads(run_cli(*common, "--draft", "none").stdout)
+    assert spec["token_ids"] == plain["token_ids"]
+    assert plain["stats"]["num_draft_tokens"] == 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/no/such/model"], "does not exist"),
+        (["--temperature", "-1"], "--temperature must be >= 0"),
+        (["--top-p", "0"], "--top-p must be in"),
+        (["--num-speculative-tokens", "99"], "num_speculative_tokens"),
+    ],
+)
+def test_bad_options_fail_clearly(tiny_models, args, message):
+    base = ["hi", "--model", str(tiny_models["llama"])]
+    proc = run_cli(*base, *args) if "--model" not in args else run_cli("hi", *args)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+
+
+@pytest.mark.slow
+def test_embedded_default_with_chat_template():
+    proc = run_cli("Repeat exactly: red green blue", "--chat", "--max-tokens", "16", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert "red" in out["text"].lower() and out["stats"]["target_forward_passes"] >= 2

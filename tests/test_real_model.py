@@ -1,0 +1,44 @@
+"""Losslessness on the real embedded model (SmolLM2-135M-Instruct), against transformers' generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serve_app.engine.request import GenerationParams
+from tests.helpers import engine_for, hf_greedy
+
+pytestmark = pytest.mark.slow
+
+CHATS = [
+    "Repeat this code exactly:\ndef fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
+    "Write a haiku about autumn leaves.",
+    "Fix the typo and repeat the sentence: The cat sat on teh mat and looked at the door.",
+    "What is the capital of France? Answer in one sentence.",
+]
+RAW = ["The history of the Roman Empire", "import numpy as np\n\ndef softmax(x):"]
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    chats = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False) for c in CHATS]
+    return chats + [tok.encode(r) for r in RAW]
+
+
+def test_greedy_is_identical_to_plain_and_to_transformers(smollm2_path, prompts):
+    torch.set_num_threads(2)
+    engine = engine_for(smollm2_path, draft=smollm2_path, k=4, batch=6, seq_len=512)
+    plain = engine.generate(prompts, GenerationParams(max_tokens=32, method="none"))
+    for out, ids in zip(plain, prompts, strict=True):
+        assert out.token_ids == hf_greedy(smollm2_path, ids, 32)
+    for method, k in (("ngram", 4), ("ngram", 8), ("draft", 4)):
+        spec = engine.generate(prompts, GenerationParams(max_tokens=32, method=method, num_speculative_tokens=k))
+        assert [s.token_ids for s in spec] == [p.token_ids for p in plain], (method, k)
+        if method == "draft":  # the draft is the target itself
+            assert all(s.stats.acceptance_rate == 1.0 for s in spec if s.stats.num_draft_tokens)
+    grounded = engine.generate(prompts[:1], GenerationParams(max_tokens=32, method="ngram"))[0]
+    assert grounded.stats.mean_acceptance_length > 1.5  # the code is repeated: lookup pays
