@@ -61,7 +61,7 @@ class EngineConfig(StrictModel):
     max_batch_size: int = Field(8, ge=1, le=256, description="Sequences decoded together (KV-cache slots).")
     max_seq_len: int = Field(
         2048, ge=16,
-        description="Per-sequence token budget: prompt + generated + one speculative block.",
+        description="Per-sequence token budget: prompt + max_tokens (speculative blocks fit inside it).",
     )
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads for CPU runs; default: torch's own choice."

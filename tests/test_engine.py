@@ -164,6 +164,8 @@ def test_bad_requests_are_refused(tiny_models):
         engine.add_request([1, 2], GenerationParams(method="draft"))
     with pytest.raises(RequestError, match="prompt is empty"):
         engine.add_request([], GenerationParams())
+    with pytest.raises(RequestError, match="exceeds the context"):  # a batch is taken whole or not at all
+        engine.generate([[1, 2], list(range(60))], GenerationParams(max_tokens=10))
     assert not engine.has_work
 
 

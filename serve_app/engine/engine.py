@@ -155,7 +155,14 @@ class Engine:
                  ) -> list[RequestOutput]:
         """Run requests to completion (batched up to the runner's slots); outputs in prompt order."""
         plist = [params] * len(prompts) if isinstance(params, GenerationParams) else list(params)
-        ids = [self.add_request(p, gp) for p, gp in zip(prompts, plist, strict=True)]
+        ids: list[str] = []
+        try:
+            for p, gp in zip(prompts, plist, strict=True):
+                ids.append(self.add_request(p, gp))
+        except RequestError:
+            for request_id in ids:  # all or nothing
+                self.abort(request_id)
+            raise
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             for out in self.step():

@@ -23,8 +23,7 @@ def runner_config(config: EngineConfig) -> RunnerConfig:
     return RunnerConfig(
         dtype=config.dtype,
         max_batch_size=config.max_batch_size,
-        # one speculative block of headroom past the request budget
-        max_seq_len=config.max_seq_len + config.speculation.num_speculative_tokens + 1,
+        max_seq_len=config.max_seq_len,  # the engine caps each block to the room left
         device=config.device,
     )
 

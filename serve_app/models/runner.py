@@ -37,7 +37,7 @@ class RunnerConfig:
 
     dtype: DType = "float32"
     max_batch_size: int = 8
-    max_seq_len: int = 2048  # prompt + generated + one speculative block, per sequence
+    max_seq_len: int = 2048  # cached tokens per sequence (the KV cache capacity)
     device: str = "cpu"
 
 
