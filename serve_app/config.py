@@ -57,6 +57,11 @@ class EngineConfig(StrictModel):
     dtype: Literal["float32", "bfloat16"] = Field(
         "bfloat16", description="Weights, activations and KV cache dtype (logits are float32)."
     )
+    backend: Literal["torch", "neuron"] = Field(
+        "torch",
+        description="Model runner: 'torch' (our forward, CPU or CUDA) or 'neuron' (NxD Inference on "
+        "Trainium; needs the Neuron SDK).",
+    )
     device: str = Field("cpu", description="torch device of the runners: 'cpu' or 'cuda[:N]'.")
     max_batch_size: int = Field(8, ge=1, le=256, description="Sequences decoded together (KV-cache slots).")
     max_seq_len: int = Field(

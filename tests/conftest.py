@@ -22,6 +22,10 @@ CORPUS = [
     "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun.",
     "Speculative decoding drafts tokens with a small model and verifies them with a large one.",
 ]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 CONFIGS = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen2": Qwen2Config, "mistral": MistralConfig}
 
 
@@ -34,7 +38,9 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tk.train_from_iterator(CORPUS * 4, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|im_end|>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|im_end|>")
+    tokenizer.chat_template = CHATML
+    return tokenizer
 
 
 def make_tiny_model(path: Path, kind: str = "llama", seed: int = 0, layers: int = 2, **overrides) -> Path:

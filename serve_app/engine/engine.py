@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
@@ -24,7 +24,7 @@ from serve_app.config import SpeculationMethod
 from serve_app.engine.request import GenerationParams, Request, RequestOutput
 from serve_app.engine.stats import SpecStats
 from serve_app.speculation.proposers.base import Proposer
-from serve_app.speculation.types import ProposalBlock
+from serve_app.speculation.types import ProposalBlock, VerifyResult
 from serve_app.speculation.verifier import TargetVerifier
 
 
@@ -43,6 +43,7 @@ class Engine:
         default_k: int,
         max_seq_len: int,
         eos_ids: Iterable[int],
+        on_round: Callable[[VerifyResult, float], None] | None = None,
     ):
         if default_method not in proposers:
             raise ValueError(f"default method {default_method!r} has no proposer")
@@ -53,15 +54,15 @@ class Engine:
         self.default_k = default_k
         self.max_seq_len = max_seq_len
         self.eos_ids = frozenset(eos_ids)
+        self.on_round = on_round  # metrics sink: (result, seconds) per round
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self.stats = SpecStats()
-        self.round_times: list[float] = []
         self._ids = itertools.count()
 
     # ---- requests -----------------------------------------------------------------------------
-    def add_request(self, prompt_ids: Sequence[int], params: GenerationParams,
-                    request_id: str | None = None) -> str:
+    def validate(self, prompt_ids: Sequence[int], params: GenerationParams) -> SpeculationMethod:
+        """Check a request without touching engine state (safe from any thread)."""
         method = params.method or self.default_method
         if method not in self.proposers:
             raise RequestError(f"speculation method {method!r} is not available here; "
@@ -75,6 +76,11 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"context of {self.max_seq_len} tokens"
             )
+        return method
+
+    def add_request(self, prompt_ids: Sequence[int], params: GenerationParams,
+                    request_id: str | None = None) -> str:
+        method = self.validate(prompt_ids, params)
         k = self.default_k if params.num_speculative_tokens is None else params.num_speculative_tokens
         if method == "none":
             k = 0
@@ -89,6 +95,18 @@ class Engine:
         req = self.running.pop(request_id, None)
         if req is not None:
             self._release(req)
+
+    def abort_all(self) -> list[Request]:
+        """Drop every request (after a worker failure); returns them so callers can be told."""
+        dropped = list(self.waiting) + list(self.running.values())
+        self.waiting.clear()
+        for req in list(self.running.values()):
+            del self.running[req.request_id]
+            try:
+                self._release(req)
+            except Exception:  # noqa: BLE001 - the worker that failed may not answer
+                pass
+        return dropped
 
     @property
     def has_work(self) -> bool:
@@ -106,7 +124,9 @@ class Engine:
         result = self.verifier.verify(block)
         for proposer in self.proposers.values():
             proposer.observe(result)
-        self.round_times.append(time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        if self.on_round is not None:
+            self.on_round(result, elapsed)
 
         by_id = {r.request_id: r for r in requests}
         outputs = []

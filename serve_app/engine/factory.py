@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
 
 from serve_app.config import EngineConfig, SpeculationMethod
 from serve_app.engine.engine import Engine
@@ -28,23 +29,25 @@ def runner_config(config: EngineConfig) -> RunnerConfig:
     )
 
 
-def eos_token_ids(runner: ModelRunner, tokenizer) -> set[int]:
+def eos_token_ids(model_path: Path, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Every id that ends generation: config, generation config and tokenizer may each name some."""
     ids: set[int] = set()
-    for source in (getattr(runner.hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+    config = AutoConfig.from_pretrained(model_path)
+    sources = [getattr(config, "eos_token_id", None), tokenizer.eos_token_id]
+    if (model_path / "generation_config.json").is_file():
+        sources.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
+    for source in sources:
         if isinstance(source, int):
             ids.add(source)
         elif source:
             ids.update(source)
-    gen = runner.path / "generation_config.json"
-    if gen.is_file():
-        from transformers import GenerationConfig
-
-        eos = GenerationConfig.from_pretrained(runner.path).eos_token_id
-        ids.update([eos] if isinstance(eos, int) else (eos or []))
     return ids
 
 
 def build_engine(config: EngineConfig) -> Engine:
+    """An engine with the draft and the target in this process (CLI, benchmarks, tests)."""
+    if config.backend != "torch":
+        raise ValueError(f"backend {config.backend!r} is not available in-process; use backend: torch")
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     cache_dir = Path(config.cache_dir) if config.cache_dir else None
@@ -65,5 +68,5 @@ def build_engine(config: EngineConfig) -> Engine:
         default_method=spec.method,
         default_k=spec.num_speculative_tokens,
         max_seq_len=config.max_seq_len,
-        eos_ids=eos_token_ids(target, tokenizer),
+        eos_ids=eos_token_ids(target.path, tokenizer),
     )

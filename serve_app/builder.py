@@ -1,0 +1,82 @@
+"""The application builder: ``import_path: serve_app.builder:build_app`` in Serve configs.
+
+The YAML ``args`` block (or a dict from Python) is validated into ``AppConfig``; a mistake fails at
+startup naming the key. The same builder serves ``serve run``, KubeRay's ``serveConfigV2`` and
+Python callers (``serve.run(build_app({...}))``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import ValidationError
+from ray.serve import Application
+
+from serve_app.serving.config import AppConfig, PlacementConfig
+
+log = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """An invalid application config; the message names the key and the fix."""
+
+
+def parse_config(args: dict[str, Any] | AppConfig | None) -> AppConfig:
+    if isinstance(args, AppConfig):
+        return args
+    try:
+        return AppConfig.model_validate(args or {})
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            key = ".".join(str(p) for p in err["loc"]) or "args"
+            if err["type"] == "extra_forbidden":
+                lines.append(f"args.{key}: unknown key; remove it or check its spelling")
+            else:
+                lines.append(f"args.{key}: {err['msg']}")
+        raise ConfigError("invalid serve_app config:\n  " + "\n  ".join(lines)) from None
+
+
+def _resolve_accelerator(config: AppConfig) -> AppConfig:
+    """Apply ``placement.fallback_to_cpu`` when the cluster lacks the accelerator resource."""
+    p = config.placement
+    if p.accelerator == "CPU":
+        return config
+    import ray
+
+    if not ray.is_initialized():
+        ray.init()  # what serve.run would do next anyway
+    key = p.accelerator
+    available = ray.cluster_resources().get(key, 0)
+    if available:
+        return config
+    if p.fallback_to_cpu:
+        log.warning("the cluster has no %r resource: placing the draft and target workers on CPUs only "
+                    "(placement.fallback_to_cpu). To emulate NeuronCores locally, start Ray with "
+                    "--resources='{\"neuron_cores\": 8}'.", key)
+        return config.model_copy(update={"placement": PlacementConfig(**{**p.model_dump(), "accelerator": "CPU"})})
+    log.warning("the cluster has no %r resource yet; replicas stay pending until nodes with it join "
+                "(e.g. the Ray autoscaler adding Trainium workers)", key)
+    return config
+
+
+def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
+    from serve_app.serving.replica import replica_bundles
+    from serve_app.serving.server import SpeculativeLLMServer
+
+    config = _resolve_accelerator(parse_config(args))
+    d = config.deployment
+    options: dict[str, Any] = {
+        "placement_group_bundles": replica_bundles(config),
+        "placement_group_strategy": "STRICT_PACK",
+        "ray_actor_options": {"num_cpus": config.placement.replica_cpus},
+        "max_ongoing_requests": d.max_ongoing_requests,
+        "health_check_period_s": d.health_check_period_s,
+        "health_check_timeout_s": d.health_check_timeout_s,
+    }
+    if d.autoscaling_config is not None:
+        options["autoscaling_config"] = d.autoscaling_config.model_dump(exclude_none=True)
+    else:
+        options["num_replicas"] = d.num_replicas or 1
+    return SpeculativeLLMServer.options(**options).bind(config.model_dump())

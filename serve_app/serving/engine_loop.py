@@ -1,0 +1,167 @@
+"""Runs the engine on its own thread and streams its outputs to asyncio callers.
+
+The engine is synchronous (each round blocks on the workers); the replica's event loop must keep
+serving HTTP meanwhile. Requests enter through a thread-safe queue; outputs go back to each
+request's asyncio queue with ``call_soon_threadsafe``. A client that goes away aborts its request.
+If a round fails (the target worker died), every request in flight gets the error at once and the
+loop refuses new work, so nothing hangs and Serve's health check replaces the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from serve_app.engine.engine import Engine
+from serve_app.engine.request import GenerationParams, RequestOutput
+from serve_app.serving.metrics import ServingMetrics
+
+log = logging.getLogger(__name__)
+GAUGE_REFRESH_S = 1.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed (a worker died); the replica must be replaced."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float = field(default_factory=time.perf_counter)
+    last_token_at: float | None = None
+    tokens_seen: int = 0
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, metrics: ServingMetrics | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self.error: BaseException | None = None
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    @property
+    def num_running(self) -> int:
+        return len(self._streams)
+
+    def submit(self, prompt_ids: Sequence[int], params: GenerationParams,
+               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Validate and enqueue a request now (raising ``RequestError`` or ``EngineDeadError`` before
+        any response starts), and return the stream of its outputs, one per round."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine failed: {self.error}")
+        self.engine.validate(prompt_ids, params)
+        request_id = request_id or f"r{next(self._ids)}"
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._commands.put(("add", request_id, list(prompt_ids), params))
+        if self.error is not None:  # failed after the first check: _fail may not have seen this add
+            self._streams.pop(request_id, None)
+            raise EngineDeadError(f"engine failed: {self.error}")
+        return self._outputs(request_id, stream)
+
+    async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(f"engine failed: {item}") from item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # the caller went away: free the slot
+                self._commands.put(("abort", request_id))
+
+    # ---- the engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        refreshed = 0.0
+        while True:
+            self._drain(block=not self.engine.has_work)
+            if self.metrics and time.perf_counter() - refreshed > GAUGE_REFRESH_S:
+                refreshed = time.perf_counter()
+                self.metrics.refresh(len(self.engine.running), len(self.engine.waiting))
+            if not self.engine.has_work:
+                continue
+            try:
+                outputs = self.engine.step()
+            except BaseException as e:  # noqa: BLE001 - every in-flight request must hear of it
+                self._fail(e)
+                return
+            now = time.perf_counter()
+            for out in outputs:
+                self._deliver(out, now)
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:  # an idle loop wakes up now and then to refresh gauges
+                command = self._commands.get(block=block, timeout=GAUGE_REFRESH_S if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if command[0] == "add":
+                _, request_id, prompt_ids, params = command
+                if request_id not in self._streams:
+                    continue  # the client left before admission
+                try:
+                    self.engine.add_request(prompt_ids, params, request_id=request_id)
+                    if self.metrics:
+                        self.metrics.prompt_tokens.inc(len(prompt_ids), self.metrics.tags)
+                except Exception as e:  # noqa: BLE001 - validated already; report anything else
+                    self._push(request_id, e)
+            elif command[0] == "abort":
+                self.engine.abort(command[1])
+
+    def _deliver(self, out: RequestOutput, now: float) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        new = len(out.token_ids) - stream.tokens_seen
+        if self.metrics and new > 0:
+            if stream.last_token_at is None:
+                self.metrics.ttft.observe(now - stream.arrival, self.metrics.tags)
+                new -= 1
+            else:
+                per_token = (now - stream.last_token_at) / new
+                for _ in range(new):
+                    self.metrics.itl.observe(per_token, self.metrics.tags)
+            stream.last_token_at = now
+        stream.tokens_seen = len(out.token_ids)
+        if out.finished and self.metrics:
+            self.metrics.requests.inc(1, {**self.metrics.tags, "finish_reason": str(out.finish_reason)})
+            self.metrics.generation_tokens.inc(len(out.token_ids), self.metrics.tags)
+        self._push(out.request_id, out)
+
+    def _push(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _fail(self, error: BaseException) -> None:
+        log.error("engine round failed; failing all requests in flight", exc_info=error)
+        self.error = error
+        self.engine.abort_all()
+        for request_id in list(self._streams):
+            self._push(request_id, error)
+        while True:  # requests queued meanwhile hear of it too
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                self._push(command[1], error)

@@ -1,0 +1,86 @@
+"""Prometheus metrics through Ray's metrics API (exported by every Ray node, prefixed ``ray_``).
+
+Names follow vLLM's where one exists (``vllm:spec_decode_num_drafts`` ->
+``serve_app_spec_decode_num_drafts``, and so on):
+
+- ``serve_app_requests`` (finish_reason), ``serve_app_prompt_tokens``, ``serve_app_generation_tokens``
+- ``serve_app_spec_decode_num_drafts``: rounds in which a sequence had draft tokens
+- ``serve_app_spec_decode_num_draft_tokens`` / ``..._num_accepted_tokens``: proposed / accepted;
+  acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts
+- ``serve_app_spec_decode_num_accepted_tokens_per_pos`` (position): accepted at draft position j
+- ``serve_app_spec_decode_round_latency_seconds``: one draft + verify round of the whole batch
+- ``serve_app_time_to_first_token_seconds``, ``serve_app_inter_token_latency_seconds``
+- ``serve_app_draft_worker_available`` (1/0) and ``serve_app_draft_worker_failures``
+- ``serve_app_num_requests_running`` / ``serve_app_num_requests_waiting`` (vLLM's names)
+
+Gauges vanish from Ray's exporter a few seconds after their last write, so the engine loop calls
+``refresh`` about once a second.
+"""
+
+from __future__ import annotations
+
+from ray.util import metrics
+
+from serve_app.speculation.types import VerifyResult
+
+LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24]
+TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8, 25.6, 51.2]
+
+
+class ServingMetrics:
+    def __init__(self, model_name: str):
+        self.tags = {"model_name": model_name}
+        keys = ("model_name",)
+        self.requests = metrics.Counter("serve_app_requests", "Finished requests.", keys + ("finish_reason",))
+        self.prompt_tokens = metrics.Counter("serve_app_prompt_tokens", "Prompt tokens of admitted requests.", keys)
+        self.generation_tokens = metrics.Counter("serve_app_generation_tokens", "Generated tokens.", keys)
+        self.num_drafts = metrics.Counter(
+            "serve_app_spec_decode_num_drafts", "Sequence-rounds that carried draft tokens.", keys)
+        self.num_draft_tokens = metrics.Counter(
+            "serve_app_spec_decode_num_draft_tokens", "Draft tokens proposed.", keys)
+        self.num_accepted_tokens = metrics.Counter(
+            "serve_app_spec_decode_num_accepted_tokens", "Draft tokens accepted by the target.", keys)
+        self.accepted_per_pos = metrics.Counter(
+            "serve_app_spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position.",
+            keys + ("position",))
+        self.round_latency = metrics.Histogram(
+            "serve_app_spec_decode_round_latency_seconds", "Wall time of one draft + verify round.",
+            LATENCY_BUCKETS, keys)
+        self.ttft = metrics.Histogram(
+            "serve_app_time_to_first_token_seconds", "Arrival to first generated token.", TTFT_BUCKETS, keys)
+        self.itl = metrics.Histogram(
+            "serve_app_inter_token_latency_seconds", "Time per generated token after the first.",
+            LATENCY_BUCKETS, keys)
+        self.draft_available = metrics.Gauge(
+            "serve_app_draft_worker_available", "1 while the replica's draft worker serves, else 0.", keys)
+        self.running = metrics.Gauge("serve_app_num_requests_running", "Requests in the running batch.", keys)
+        self.waiting = metrics.Gauge("serve_app_num_requests_waiting", "Requests waiting for a slot.", keys)
+        self._draft_available: int | None = None
+        self.draft_failures = metrics.Counter(
+            "serve_app_draft_worker_failures", "Draft worker failures (the replica fell back or restarted).", keys)
+
+    def on_round(self, result: VerifyResult, seconds: float) -> None:
+        self.round_latency.observe(seconds, self.tags)
+        drafted = result.num_draft_tokens
+        accepted = result.num_accepted
+        drafts = int((drafted > 0).sum())
+        if drafts:
+            self.num_drafts.inc(drafts, self.tags)
+            self.num_draft_tokens.inc(int(drafted.sum()), self.tags)
+            if int(accepted.sum()):
+                self.num_accepted_tokens.inc(int(accepted.sum()), self.tags)
+            for position in range(int(accepted.max())):
+                n = int((accepted > position).sum())
+                self.accepted_per_pos.inc(n, {**self.tags, "position": str(position)})
+
+    def on_draft_state(self, available: bool) -> None:
+        self._draft_available = 1 if available else 0
+        self.draft_available.set(self._draft_available, self.tags)
+        if not available:
+            self.draft_failures.inc(1, self.tags)
+
+    def refresh(self, running: int, waiting: int) -> None:
+        self.running.set(running, self.tags)
+        self.waiting.set(waiting, self.tags)
+        if self._draft_available is not None:
+            self.draft_available.set(self._draft_available, self.tags)

@@ -1,0 +1,123 @@
+"""Build one replica's engine: the target and draft worker actors in the replica's placement group,
+and the engine that drives rounds between them.
+
+Bundle layout (see ``serve_app.workers.placement``): 0 = the replica, 1 = target, 2 = draft (only
+when the draft is a model; n-gram lookup runs in the replica, it needs no accelerator).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from serve_app.config import SpeculationMethod
+from serve_app.engine.engine import Engine
+from serve_app.engine.factory import eos_token_ids, runner_config
+from serve_app.models.sources import resolve
+from serve_app.serving.config import AppConfig, PlacementConfig
+from serve_app.serving.metrics import ServingMetrics
+from serve_app.speculation.proposers.base import NoProposer, Proposer
+from serve_app.speculation.proposers.ngram import NgramProposer
+from serve_app.workers.base import WorkerInfo
+from serve_app.workers.draft_worker import DraftWorker
+from serve_app.workers.placement import PlacementError, worker_resources
+from serve_app.workers.remote import RemoteDraftProposer, RemoteVerifier
+
+log = logging.getLogger(__name__)
+
+TARGET_BUNDLE, DRAFT_BUNDLE = 1, 2
+
+
+def replica_bundles(config: AppConfig) -> list[dict[str, float]]:
+    """Placement-group bundles of one replica: itself, the target, and the draft if it is a model."""
+    p = config.placement
+    bundles = [{"CPU": p.replica_cpus}, worker_resources(p.accelerator, p.target_cores, p.worker_cpus)]
+    if config.engine.speculation.method == "draft":
+        bundles.append(worker_resources(p.accelerator, p.draft_cores, p.worker_cpus))
+    return bundles
+
+
+def actor_options(p: PlacementConfig, cores: int, bundle: int) -> dict[str, Any]:
+    options: dict[str, Any] = {"num_cpus": p.worker_cpus, "max_restarts": 0}
+    if p.accelerator == "GPU":
+        options["num_gpus"] = cores
+    elif p.accelerator == "neuron_cores":
+        options["resources"] = {"neuron_cores": cores}
+    pg = get_current_placement_group()
+    if pg is not None:
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
+    return options
+
+
+@dataclass
+class ReplicaEngine:
+    engine: Engine
+    tokenizer: PreTrainedTokenizerBase
+    target: Any  # TargetWorker actor handle
+    draft: RemoteDraftProposer | None
+    workers: dict[str, WorkerInfo]  # as started
+
+    def close(self) -> None:
+        self.engine.verifier.close()  # type: ignore[attr-defined]
+        if self.draft is not None:
+            self.draft.close()
+
+
+def build_replica_engine(config: AppConfig, metrics: ServingMetrics | None = None) -> ReplicaEngine:
+    from serve_app.workers.target_worker import TargetWorker
+
+    if config.engine.backend != "torch":
+        raise PlacementError(
+            f"engine.backend={config.engine.backend!r}: the Neuron runner needs the Neuron SDK "
+            "(torch-neuronx, neuronx-distributed-inference) on a Trainium instance; use backend: torch here"
+        )
+    engine_cfg, p = config.engine, config.placement
+    cache_dir = Path(engine_cfg.cache_dir) if engine_cfg.cache_dir else None
+    target_path = resolve(engine_cfg.model, cache_dir)  # converts a GGUF once, on this node
+    rc = runner_config(engine_cfg)
+    compiled = config.exchange == "compiled_graph"
+
+    target = ray.remote(TargetWorker).options(**actor_options(p, p.target_cores, TARGET_BUNDLE)).remote(
+        str(target_path), rc, p.accelerator, engine_cfg.num_threads)
+    workers = {"target": ray.get(target.info.remote())}  # waits for the model to load; raises its error
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+
+    spec = engine_cfg.speculation
+    proposers: dict[SpeculationMethod, Proposer] = {
+        "none": NoProposer(),
+        "ngram": NgramProposer(spec.ngram_min, spec.ngram_max),
+    }
+    draft: RemoteDraftProposer | None = None
+    if spec.method == "draft":
+        draft_path = str(resolve(spec.draft, cache_dir))
+        vocab = workers["target"].vocab_size
+
+        def spawn() -> Any:
+            return ray.remote(DraftWorker).options(**actor_options(p, p.draft_cores, DRAFT_BUNDLE)).remote(
+                draft_path, rc, spec.draft_top_k, vocab, p.accelerator, engine_cfg.num_threads)
+
+        draft = RemoteDraftProposer(spawn, compiled, on_state=metrics.on_draft_state if metrics else lambda _: None)
+        workers["draft"] = ray.get(draft.actor.info.remote())
+        proposers["draft"] = draft  # type: ignore[assignment]
+        if metrics:
+            metrics.on_draft_state(True)
+
+    engine = Engine(
+        RemoteVerifier(target, engine_cfg.max_batch_size, compiled),  # type: ignore[arg-type]
+        proposers,
+        tokenizer,
+        default_method=spec.method,
+        default_k=spec.num_speculative_tokens,
+        max_seq_len=engine_cfg.max_seq_len,
+        eos_ids=eos_token_ids(target_path, tokenizer),
+        on_round=metrics.on_round if metrics else None,
+    )
+    log.info("replica ready: %s", {k: (v.pid, v.visible_cores) for k, v in workers.items()})
+    return ReplicaEngine(engine, tokenizer, target, draft, workers)

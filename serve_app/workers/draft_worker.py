@@ -1,0 +1,45 @@
+"""The draft worker: owns the draft runner and proposes blocks.
+
+One round call, ``propose((previous_results, seq_ids, num_tokens))``: the draft first learns the
+outcome of the previous round(s) (rollback by a length change, ingest the new tokens), then drafts.
+So a round costs one call to each worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from serve_app.models.runner import ModelRunner, RunnerConfig
+from serve_app.speculation.proposers.draft_model import DraftModelProposer
+from serve_app.speculation.types import ProposalBlock, SamplingParams, VerifyResult
+from serve_app.workers.base import WorkerBase, WorkerInfo
+from serve_app.workers.placement import Accelerator
+
+
+class DraftWorker(WorkerBase):
+    role = "draft"
+
+    def __init__(self, model_path: str, runner_config: RunnerConfig, width: int, vocab_limit: int | None,
+                 accelerator: Accelerator = "CPU", num_threads: int | None = None):
+        self._start(accelerator, num_threads)
+        self.proposer = DraftModelProposer(ModelRunner(model_path, runner_config), width, vocab_limit)
+
+    def info(self) -> WorkerInfo:
+        return self._info(self.proposer.runner.vocab_size)
+
+    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        with self.lock:
+            self.proposer.add_sequence(seq_id, prompt_ids, params)
+
+    def remove_sequence(self, seq_id: str) -> None:
+        with self.lock:
+            self.proposer.remove_sequence(seq_id)
+
+    def propose(self, request: tuple[tuple[VerifyResult, ...], tuple[str, ...], tuple[int, ...]]) -> ProposalBlock:
+        """``request`` = (outcomes not seen yet, oldest first; seq_ids; draft tokens wanted per sequence).
+        One argument, because a compiled graph passes one input."""
+        previous, seq_ids, num_tokens = request
+        with self.lock:
+            for result in previous:
+                self.proposer.observe(result)
+            return self.proposer.propose(seq_ids, num_tokens)

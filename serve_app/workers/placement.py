@@ -1,0 +1,66 @@
+"""Where a replica's workers run: placement-group bundles and the accelerator cores Ray assigns.
+
+One placement group per Serve replica (STRICT_PACK, so draft, target and replica share a node):
+bundle 0 holds the replica (the engine), then one bundle per worker. Workers ask for
+``neuron_cores`` (Trainium: Ray sets NEURON_RT_VISIBLE_CORES per actor), ``GPU``, or only CPUs.
+
+The Neuron runtime wants a contiguous, increasing core range, and Ray writes a comma list that can
+come unsorted: a worker sorts it, checks it is contiguous and fails clearly if not.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+Accelerator = Literal["neuron_cores", "GPU", "CPU"]
+NEURON_VISIBLE_CORES = "NEURON_RT_VISIBLE_CORES"
+
+
+class PlacementError(RuntimeError):
+    """Cores a worker cannot use, or a cluster that cannot host the configured workers."""
+
+
+def parse_core_ids(value: str) -> list[int]:
+    """Parse "0-3,5", "3,1,2" or "" into core ids (unsorted, as written)."""
+    ids: list[int] = []
+    for part in filter(None, (p.strip() for p in value.split(","))):
+        if "-" in part:
+            lo, hi = (int(x) for x in part.split("-", 1))
+            if hi < lo:
+                raise PlacementError(f"core range {part!r} runs backwards")
+            ids.extend(range(lo, hi + 1))
+        else:
+            ids.append(int(part))
+    return ids
+
+
+def contiguous_range(ids: list[int], who: str) -> tuple[int, int]:
+    """Sort ``ids`` and return (first, last); raise if they are not one contiguous range."""
+    if not ids:
+        raise PlacementError(f"{who}: no NeuronCores assigned")
+    ordered = sorted(ids)
+    if len(set(ordered)) != len(ordered) or ordered[-1] - ordered[0] + 1 != len(ordered):
+        raise PlacementError(
+            f"{who}: assigned NeuronCores {ordered} are not one contiguous range; the Neuron runtime "
+            "needs e.g. 4-7. Give every worker of a node core counts that tile it (e.g. 2 + 6 on 8 cores) "
+            "and do not mix other neuron_cores consumers on that node."
+        )
+    return ordered[0], ordered[-1]
+
+
+def claim_neuron_cores(who: str) -> tuple[int, int]:
+    """Inside a worker: read the cores Ray assigned, check them, and rewrite the variable sorted."""
+    value = os.environ.get(NEURON_VISIBLE_CORES)
+    if value is None:
+        raise PlacementError(f"{who}: {NEURON_VISIBLE_CORES} is not set; was the actor given neuron_cores?")
+    first, last = contiguous_range(parse_core_ids(value), who)
+    os.environ[NEURON_VISIBLE_CORES] = f"{first}-{last}" if last > first else str(first)
+    return first, last
+
+
+def worker_resources(accelerator: Accelerator, cores: int, cpus: float) -> dict[str, float]:
+    bundle: dict[str, float] = {"CPU": cpus}
+    if accelerator != "CPU":
+        bundle[accelerator] = cores
+    return bundle

@@ -1,0 +1,59 @@
+"""Core-range parsing and the contiguity check the Neuron runtime needs."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_app.workers.placement import (
+    NEURON_VISIBLE_CORES,
+    PlacementError,
+    claim_neuron_cores,
+    contiguous_range,
+    parse_core_ids,
+    worker_resources,
+)
+
+
+@pytest.mark.parametrize(
+    "value, ids",
+    [("0-3", [0, 1, 2, 3]), ("3,4,5", [3, 4, 5]), ("6,4,5", [6, 4, 5]), ("0-1,4", [0, 1, 4]), ("", []), ("7", [7])],
+)
+def test_parse_core_ids(value, ids):
+    assert parse_core_ids(value) == ids
+
+
+def test_backwards_range_is_an_error():
+    with pytest.raises(PlacementError, match="backwards"):
+        parse_core_ids("5-2")
+
+
+def test_unsorted_but_contiguous_is_sorted():
+    assert contiguous_range([6, 4, 5, 7], "target") == (4, 7)
+
+
+@pytest.mark.parametrize("ids", [[0, 2], [1, 1, 2], []])
+def test_gaps_duplicates_and_empty_fail_clearly(ids):
+    with pytest.raises(PlacementError, match="target"):
+        contiguous_range(ids, "target")
+
+
+def test_claim_rewrites_the_variable_as_a_sorted_range(monkeypatch):
+    monkeypatch.setenv(NEURON_VISIBLE_CORES, "5,3,4")
+    assert claim_neuron_cores("draft worker") == (3, 5)
+    import os
+
+    assert os.environ[NEURON_VISIBLE_CORES] == "3-5"
+
+
+def test_claim_fails_without_assignment_or_with_gaps(monkeypatch):
+    monkeypatch.delenv(NEURON_VISIBLE_CORES, raising=False)
+    with pytest.raises(PlacementError, match="not set"):
+        claim_neuron_cores("draft worker")
+    monkeypatch.setenv(NEURON_VISIBLE_CORES, "0,1,3")
+    with pytest.raises(PlacementError, match=r"not one contiguous range.*4-7"):
+        claim_neuron_cores("target worker")
+
+
+def test_worker_resources():
+    assert worker_resources("neuron_cores", 4, 1.0) == {"CPU": 1.0, "neuron_cores": 4}
+    assert worker_resources("CPU", 4, 0.5) == {"CPU": 0.5}

@@ -1,0 +1,304 @@
+"""The Serve application on a real local Ray cluster (no mocks of Ray or Serve), with tiny models.
+
+The cluster emulates 8 NeuronCores (``resources={"neuron_cores": 8}``), so the draft and target
+workers are placed exactly as on Trainium, and Ray assigns them NEURON_RT_VISIBLE_CORES.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+
+from serve_app.builder import build_app
+from serve_app.config import EngineConfig, SpeculationConfig
+from serve_app.engine.factory import build_engine
+from serve_app.engine.request import GenerationParams
+
+pytestmark = pytest.mark.timeout(600)
+
+BASE = "http://127.0.0.1:8000"
+MODEL = "tiny-qwen3"
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef mul(a, b):", "The quick brown fox jumps over", "dog dog dog"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def app_args(tiny_models, **over) -> dict:
+    args = {
+        "model_id": MODEL,
+        "engine": {
+            "model": str(tiny_models["qwen3"]), "dtype": "float32", "max_batch_size": 4, "max_seq_len": 256,
+            "num_threads": 1,
+            "speculation": {"draft": str(tiny_models["qwen3_near"]), "num_speculative_tokens": 3},
+        },
+        "placement": {"accelerator": "neuron_cores", "draft_cores": 1, "target_cores": 3,
+                      "worker_cpus": 0.5, "replica_cpus": 0.2},
+        "deployment": {"num_replicas": 1, "health_check_period_s": 1},
+    }
+    args.update(over)
+    return args
+
+
+@pytest.fixture(scope="module")
+def metrics_port():
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def cluster(metrics_port):
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["RAY_metrics_report_interval_ms"] = "1000"
+    ray.init(num_cpus=8, resources={"neuron_cores": 8}, include_dashboard=False,
+             _metrics_export_port=metrics_port, logging_level="ERROR")
+    serve.start(http_options={"host": "127.0.0.1", "port": 8000})
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(cluster, tiny_models):
+    serve.run(build_app(app_args(tiny_models)), name="serve_app", route_prefix="/")
+    yield serve.get_app_handle("serve_app")
+    serve.delete("serve_app")
+
+
+def complete(prompt, **kw) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, **kw}
+    return httpx.post(f"{BASE}/v1/completions", json=body, timeout=120)
+
+
+def sse_events(response: httpx.Response) -> list:
+    events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_draft_and_target_get_disjoint_contiguous_neuron_cores(server):
+    workers = server.workers.remote().result()
+    ranges = {}
+    for role in ("draft", "target"):
+        first, last = workers[role]["cores"]
+        ranges[role] = set(range(first, last + 1))
+        assert workers[role]["visible_cores"] == (f"{first}-{last}" if last > first else str(first))
+    assert len(ranges["draft"]) == 1 and len(ranges["target"]) == 3
+    assert not ranges["draft"] & ranges["target"]
+    assert workers["draft"]["pid"] != workers["target"]["pid"]
+
+
+def test_greedy_over_http_equals_the_in_process_engine(server, tiny_models):
+    engine = build_engine(EngineConfig(model=str(tiny_models["qwen3"]), dtype="float32", max_seq_len=256,
+                                       speculation=SpeculationConfig(draft="none")))
+    for prompt in PROMPTS:
+        expected = engine.generate([engine.tokenizer.encode(prompt)], GenerationParams(max_tokens=24))[0]
+        body = complete(prompt).json()
+        assert body["choices"][0]["text"] == expected.text
+        assert body["usage"]["completion_tokens"] == len(expected.token_ids)
+        assert body["speculation"]["num_draft_tokens"] > 0  # the draft worker took part
+
+
+def test_streaming_equals_non_streaming(server):
+    for prompt in PROMPTS:
+        whole = complete(prompt).json()
+        events = sse_events(complete(prompt, stream=True, stream_options={"include_usage": True}))
+        text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        assert text == whole["choices"][0]["text"]
+        assert events[-2]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+        assert events[-1]["usage"] == whole["usage"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 20,
+            "temperature": 0}
+    whole = httpx.post(f"{BASE}/v1/chat/completions", json=chat, timeout=60).json()
+    events = sse_events(httpx.post(f"{BASE}/v1/chat/completions", json={**chat, "stream": True}, timeout=60))
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    assert text == whole["choices"][0]["message"]["content"]
+
+
+def test_official_openai_client(server):
+    client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    c = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0)
+    assert c.choices[0].text and c.usage.completion_tokens <= 16
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, stream=True))
+    assert streamed == c.choices[0].text
+    messages = [{"role": "user", "content": "Repeat: red green blue"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                          extra_body={"num_speculative_tokens": 2})
+    assert chat.choices[0].message.role == "assistant"
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == chat.choices[0].message.content
+
+
+def test_per_request_speculation_override(server):
+    plain = complete(PROMPTS[1], num_speculative_tokens=0).json()
+    spec = complete(PROMPTS[1], num_speculative_tokens=5).json()
+    assert plain["speculation"]["num_draft_tokens"] == 0
+    assert len(spec["speculation"]["accepted_per_position"]) == 5
+    assert plain["choices"][0]["text"] == spec["choices"][0]["text"]
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"prompt": "x"}, 400, "model"),
+        ({"model": MODEL}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x " * 400, "max_tokens": 4}, 400, "prompt"),
+        ({"model": "gpt-17", "prompt": "x"}, 404, "model"),
+        ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+        ({"model": MODEL, "prompt": "x", "n": 3}, 400, "n"),
+        ({"model": MODEL, "prompt": "x", "num_speculative_tokens": 99}, 400, "num_speculative_tokens"),
+        ({"model": MODEL, "prompt": [1, 2, 10**7]}, 400, "prompt"),
+    ],
+)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, body, status, param):
+    r = httpx.post(f"{BASE}/v1/completions", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+    assert complete("ok", max_tokens=2).status_code == 200
+
+
+def test_malformed_json_and_bad_chat(server):
+    r = httpx.post(f"{BASE}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{BASE}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "robot", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert complete("ok", max_tokens=2).status_code == 200
+
+
+def test_python_handle_calls(server):
+    body = server.generate.remote({"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0}).result()
+    chunks = list(server.options(stream=True).generate_stream.remote(
+        {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0}))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == body["choices"][0]["text"]
+    chat = server.generate.remote({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                   "max_tokens": 8, "temperature": 0}).result()
+    assert chat["object"] == "chat.completion"
+
+
+def scrape(metrics_port: int) -> str:
+    return httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+
+
+def scraped_when(metrics_port: int, condition) -> str | None:
+    text = scrape(metrics_port)
+    return text if condition(text) else None
+
+
+def metric_value(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError("condition not met in time")
+
+
+def test_prometheus_metrics(server, metrics_port):
+    for prompt in PROMPTS:
+        complete(prompt, max_tokens=16)
+    names = [
+        "ray_serve_app_requests", "ray_serve_app_generation_tokens", "ray_serve_app_prompt_tokens",
+        "ray_serve_app_spec_decode_num_drafts", "ray_serve_app_spec_decode_num_draft_tokens",
+        "ray_serve_app_spec_decode_num_accepted_tokens", "ray_serve_app_spec_decode_num_accepted_tokens_per_pos",
+        "ray_serve_app_spec_decode_round_latency_seconds_count", "ray_serve_app_time_to_first_token_seconds_count",
+        "ray_serve_app_inter_token_latency_seconds_count", "ray_serve_app_draft_worker_available",
+        "ray_serve_app_num_requests_running",
+    ]
+    text = wait_for(lambda: scraped_when(metrics_port, lambda t: all(n in t for n in names)), 60)
+    assert metric_value(text, "ray_serve_app_spec_decode_num_draft_tokens") >= metric_value(
+        text, "ray_serve_app_spec_decode_num_accepted_tokens")
+    assert 'position="0"' in text
+    assert metric_value(text, "ray_serve_app_draft_worker_available") == 1
+
+
+def test_a_dead_draft_worker_never_fails_a_request(server, metrics_port):
+    draft_pid = server.workers.remote().result()["draft"]["pid"]
+    os.kill(draft_pid, signal.SIGKILL)
+    results = []
+
+    def call(prompt):
+        results.append(complete(prompt, max_tokens=20))
+
+    threads = [threading.Thread(target=call, args=(p,)) for p in PROMPTS * 2]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(results) == 6 and all(r.status_code == 200 for r in results)
+    assert all(r.json()["usage"]["completion_tokens"] > 0 for r in results)
+    text = wait_for(lambda: scraped_when(
+        metrics_port, lambda t: metric_value(t, "ray_serve_app_draft_worker_failures") >= 1), 60)
+    assert "ray_serve_app_draft_worker_failures" in text
+
+    def draft_back():  # a restarted draft serves new requests again
+        body = complete(PROMPTS[0], max_tokens=12).json()
+        return body["speculation"]["num_draft_tokens"] > 0 and httpx.get(f"{BASE}/health").json()["draft_available"]
+
+    wait_for(draft_back, 90, interval=1)
+    assert server.workers.remote().result()["draft"]["pid"] != draft_pid
+
+
+def test_autoscaling_adds_and_removes_whole_replicas(cluster, tiny_models):
+    args = app_args(tiny_models, deployment={
+        "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+                               "upscale_delay_s": 0.5, "downscale_delay_s": 3, "metrics_interval_s": 0.5,
+                               "look_back_period_s": 1},
+        "max_ongoing_requests": 4})
+    args["placement"] = {"accelerator": "neuron_cores", "draft_cores": 1, "target_cores": 1,
+                         "worker_cpus": 0.5, "replica_cpus": 0.2}
+    serve.run(build_app(args), name="auto", route_prefix="/auto")
+
+    def running() -> int:
+        dep = serve.status().applications["auto"].deployments["SpeculativeLLMServer"]
+        return dep.replica_states.get("RUNNING", 0)
+
+    assert running() == 1
+    stop, statuses = threading.Event(), []
+
+    def load():
+        while not stop.is_set():
+            r = httpx.post(f"{BASE}/auto/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "temperature": 0})
+            statuses.append(r.status_code)
+
+    threads = [threading.Thread(target=load) for _ in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: running() == 2, 120)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert statuses and set(statuses) == {200}
+    wait_for(lambda: running() == 1, 120)
+    serve.delete("auto")
