@@ -180,7 +180,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, bod
 def test_malformed_json_and_bad_chat(server):
     r = httpx.post(f"{BASE}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
-    r = httpx.post(f"{BASE}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "robot", "content": "x"}]})
+    bad_role = {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}
+    r = httpx.post(f"{BASE}/v1/chat/completions", json=bad_role)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     assert complete("ok", max_tokens=2).status_code == 200
 
@@ -302,3 +303,20 @@ def test_autoscaling_adds_and_removes_whole_replicas(cluster, tiny_models):
     assert statuses and set(statuses) == {200}
     wait_for(lambda: running() == 1, 120)
     serve.delete("auto")
+
+
+def test_a_dead_target_fails_requests_fast_and_the_replica_is_replaced(server):
+    target_pid = server.workers.remote().result()["target"]["pid"]
+    os.kill(target_pid, signal.SIGKILL)
+    start = time.monotonic()
+    r = complete(PROMPTS[0], max_tokens=20)  # never hangs: an error now, or a new replica's answer
+    assert time.monotonic() - start < 60
+    assert r.status_code in (200, 500, 503)
+    if r.status_code != 200:
+        assert "error" in r.json() or r.text
+
+    def replaced():
+        r = complete(PROMPTS[0], max_tokens=8)
+        return r.status_code == 200 and server.workers.remote().result()["target"]["pid"] != target_pid
+
+    wait_for(replaced, 120, interval=1)

@@ -1,0 +1,97 @@
+"""``serve run configs/local.yaml`` as a user runs it: on a fresh cluster it starts itself, and joining
+a running cluster that emulates NeuronCores (``--address auto``). Real HTTP, the embedded model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+
+
+def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300, check=check)
+
+
+def stop_everything() -> None:
+    sh(str(BIN / "serve"), "shutdown", "-y", check=False)
+    sh(str(BIN / "ray"), "stop", "--force", check=False)
+
+
+@pytest.fixture
+def clean_machine():
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    stop_everything()
+    yield
+    stop_everything()
+
+
+def serve_run(*extra: str) -> tuple[subprocess.Popen, float]:
+    log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)  # noqa: SIM115 - kept for the process
+    start = time.monotonic()
+    proc = subprocess.Popen([str(BIN / "serve"), "run", *extra, "configs/local.yaml"], cwd=ROOT, env=ENV,
+                            stdout=log, stderr=subprocess.STDOUT)
+    deadline = start + 240
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, Path(log.name).read_text()[-3000:]
+        try:
+            if httpx.get("http://127.0.0.1:8000/health", timeout=2).json().get("status") == "ok":
+                return proc, time.monotonic() - start
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(1)
+    raise AssertionError("serve run did not answer /health in 240 s")
+
+
+def ask() -> dict:
+    body = {"model": "smollm2-135m-instruct", "max_tokens": 24, "temperature": 0,
+            "messages": [{"role": "user", "content": "Repeat exactly: alpha beta gamma delta"}]}
+    r = httpx.post("http://127.0.0.1:8000/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_serve_run_on_a_fresh_machine(clean_machine):
+    proc, seconds = serve_run()
+    try:
+        print(f"serve run answered /health after {seconds:.0f} s")
+        out = ask()
+        assert "alpha" in out["choices"][0]["message"]["content"].lower()
+        assert out["speculation"]["num_draft_tokens"] > 0
+    finally:
+        proc.terminate()
+
+
+def test_serve_run_joins_a_cluster_with_emulated_neuron_cores(clean_machine):
+    sh(str(BIN / "ray"), "start", "--head", "--num-cpus=4", '--resources={"neuron_cores": 8}', "--disable-usage-stats")
+    proc, _ = serve_run("--address", "auto")
+    try:
+        out = ask()
+        assert out["usage"]["completion_tokens"] > 0
+        import ray
+        from ray.util.state import list_actors
+
+        ray.init(address="auto", logging_level="ERROR")
+        try:
+            workers = [a for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True) if a.class_name == "TargetWorker"]
+            assert len(workers) == 1
+            neuron = {k: v for k, v in workers[0].required_resources.items() if k.startswith("neuron_cores")}
+            assert neuron and set(neuron.values()) == {6}  # target_cores in local.yaml, from its bundle
+        finally:
+            ray.shutdown()
+    finally:
+        proc.terminate()
