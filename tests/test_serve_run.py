@@ -87,7 +87,8 @@ def test_serve_run_joins_a_cluster_with_emulated_neuron_cores(clean_machine):
 
         ray.init(address="auto", logging_level="ERROR")
         try:
-            workers = [a for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True) if a.class_name == "TargetWorker"]
+            alive = list_actors(filters=[("state", "=", "ALIVE")], detail=True)
+            workers = [a for a in alive if a.class_name == "TargetWorker"]
             assert len(workers) == 1
             neuron = {k: v for k, v in workers[0].required_resources.items() if k.startswith("neuron_cores")}
             assert neuron and set(neuron.values()) == {6}  # target_cores in local.yaml, from its bundle
