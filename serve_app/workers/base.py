@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +33,7 @@ class WorkerBase:
 
     def _start(self, accelerator: Accelerator, num_threads: int | None) -> None:
         self.lock = threading.Lock()
+        self.busy_s, self.round_calls = 0.0, 0  # model compute of round calls, for the exchange benchmark
         self.accelerator = accelerator
         self.cores = claim_neuron_cores(f"{self.role} worker") if accelerator == "neuron_cores" else None
         if num_threads is not None:
@@ -45,3 +49,21 @@ class WorkerBase:
 
     def ping(self) -> bool:
         return True
+
+    @contextmanager
+    def _round(self) -> Iterator[None]:
+        """Serialise with admission calls and time the work of a round call."""
+        with self.lock:
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.busy_s += time.perf_counter() - start
+                self.round_calls += 1
+
+    def compute_stats(self, reset: bool = True) -> tuple[float, int]:
+        """(seconds spent inside round calls, number of round calls) since the last reset."""
+        stats = (self.busy_s, self.round_calls)
+        if reset:
+            self.busy_s, self.round_calls = 0.0, 0
+        return stats

@@ -39,7 +39,7 @@ class DraftWorker(WorkerBase):
         """``request`` = (outcomes not seen yet, oldest first; seq_ids; draft tokens wanted per sequence).
         One argument, because a compiled graph passes one input."""
         previous, seq_ids, num_tokens = request
-        with self.lock:
+        with self._round():
             for result in previous:
                 self.proposer.observe(result)
             return self.proposer.propose(seq_ids, num_tokens)

@@ -34,5 +34,5 @@ class TargetWorker(WorkerBase):
             self.verifier.remove_sequence(seq_id)
 
     def verify(self, block: ProposalBlock) -> VerifyResult:
-        with self.lock:
+        with self._round():
             return self.verifier.verify(block)
