@@ -1,4 +1,4 @@
-"""Command line: ``python -m serve_app generate PROMPT [...]``."""
+"""Command line: ``python -m serve_app generate PROMPT [...]``, ``distill``, ``check-draft``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -14,7 +15,7 @@ from serve_app.config import EngineConfig, SpeculationConfig
 from serve_app.engine.engine import RequestError
 from serve_app.engine.request import GenerationParams
 from serve_app.models.runner import ModelLoadError
-from serve_app.models.sources import DEFAULT_MODEL, ModelSourceError
+from serve_app.models.sources import DEFAULT_MODEL, ModelSourceError, resolve
 from serve_app.speculation.types import SamplingParams
 
 
@@ -95,10 +96,64 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _distill_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("distill", help="train a draft for a target by distillation (resumable)")
+    p.add_argument("--target", default=DEFAULT_MODEL, help="target model source")
+    p.add_argument("--out", required=True, help="work folder; the draft lands in OUT/draft")
+    p.add_argument("--minutes", type=float, default=60.0, help="training time budget")
+    p.add_argument("--vocab-size", type=int, default=8192, help="draft output vocabulary (most frequent tokens)")
+    p.add_argument("--max-prompts", type=int, default=None, help="cap on training prompts")
+    p.add_argument("--samples-per-prompt", type=int, default=2, help="1 greedy + N-1 sampled responses")
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--text-docs", type=int, default=600, help="stdlib docstrings used as plain text")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--threads", type=int, default=None)
+
+
+def distill(args: argparse.Namespace) -> int:
+    import torch
+
+    from serve_app.distill.train import DistillConfig
+    from serve_app.distill.train import distill as run
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run(DistillConfig(
+        target=args.target, out=Path(args.out), minutes=args.minutes, vocab_size=args.vocab_size,
+        max_prompts=args.max_prompts, samples_per_prompt=args.samples_per_prompt,
+        max_new_tokens=args.max_new_tokens, text_docs=args.text_docs, batch_size=args.batch_size, lr=args.lr,
+        eval_every=args.eval_every,
+    ))
+    return 0
+
+
+def _check_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("check-draft", help="check that a draft can serve a target (tokenizer, specials, vocab)")
+    p.add_argument("--target", default=DEFAULT_MODEL)
+    p.add_argument("--draft", required=True)
+
+
+def check(args: argparse.Namespace) -> int:
+    from serve_app.speculation.compatibility import DraftMismatchError, check_draft
+
+    try:
+        notes = check_draft(resolve(args.target), resolve(args.draft))
+    except (DraftMismatchError, ModelSourceError) as e:
+        raise SystemExit(str(e)) from e
+    print(f"ok: {args.draft} can draft for {args.target}")
+    for note in notes:
+        print(f"  note: {note}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="python -m serve_app", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _distill_parser(sub)
+    _check_parser(sub)
     args = parser.parse_args(argv)
-    return {"generate": generate}[args.command](args)
+    return {"generate": generate, "distill": distill, "check-draft": check}[args.command](args)

@@ -69,6 +69,17 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     out["llama_draft"] = make_tiny_model(root / "llama_draft", "llama", seed=1, layers=1)
     out["qwen3_draft"] = make_tiny_model(root / "qwen3_draft", "qwen3", seed=2, layers=1)
     out["qwen3_near"] = perturbed_copy(out["qwen3"], root / "qwen3_near", scale=2.0)
+    out["llama_reduced"] = reduced_vocab_draft(out["llama"], root / "llama_reduced")
+    return out
+
+
+def reduced_vocab_draft(target: Path, out: Path) -> Path:
+    """An untrained distill-style draft: the target's layers, 200 of its 320 tokens."""
+    from serve_app.distill.draft_model import init_draft, save_draft, select_vocab
+
+    tokenizer = tiny_tokenizer()
+    vocab = select_vocab([tokenizer.encode(t) for t in CORPUS], tokenizer.all_special_ids, 200)
+    save_draft(init_draft(target, vocab, layers=(0, 1)), vocab, target, out, dtype=torch.float32)
     return out
 
 

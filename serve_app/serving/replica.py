@@ -23,6 +23,7 @@ from serve_app.engine.factory import eos_token_ids, runner_config
 from serve_app.models.sources import resolve
 from serve_app.serving.config import AppConfig, PlacementConfig
 from serve_app.serving.metrics import ServingMetrics
+from serve_app.speculation.compatibility import check_draft
 from serve_app.speculation.proposers.base import NoProposer, Proposer
 from serve_app.speculation.proposers.ngram import NgramProposer
 from serve_app.workers.base import WorkerInfo
@@ -97,6 +98,7 @@ def build_replica_engine(config: AppConfig, metrics: ServingMetrics | None = Non
     draft: RemoteDraftProposer | None = None
     if spec.method == "draft":
         draft_path = str(resolve(spec.draft, cache_dir))
+        check_draft(target_path, Path(draft_path))  # fails at startup, naming what differs
         vocab = workers["target"].vocab_size
 
         def spawn() -> Any:

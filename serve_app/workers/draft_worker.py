@@ -8,8 +8,10 @@ So a round costs one call to each worker.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from serve_app.models.runner import ModelRunner, RunnerConfig
+from serve_app.speculation.compatibility import load_vocab
 from serve_app.speculation.proposers.draft_model import DraftModelProposer
 from serve_app.speculation.types import ProposalBlock, SamplingParams, VerifyResult
 from serve_app.workers.base import WorkerBase, WorkerInfo
@@ -19,10 +21,11 @@ from serve_app.workers.placement import Accelerator
 class DraftWorker(WorkerBase):
     role = "draft"
 
-    def __init__(self, model_path: str, runner_config: RunnerConfig, width: int, vocab_limit: int | None,
+    def __init__(self, model_path: str, runner_config: RunnerConfig, width: int, target_vocab: int | None,
                  accelerator: Accelerator = "CPU", num_threads: int | None = None):
         self._start(accelerator, num_threads)
-        self.proposer = DraftModelProposer(ModelRunner(model_path, runner_config), width, vocab_limit)
+        runner = ModelRunner(model_path, runner_config)
+        self.proposer = DraftModelProposer(runner, width, target_vocab, load_vocab(Path(model_path)))
 
     def info(self) -> WorkerInfo:
         return self._info(self.proposer.runner.vocab_size)

@@ -27,14 +27,26 @@ DRAFT_SEED_OFFSET = 0x5EED  # the draft's generator must not replay the target's
 
 
 class DraftModelProposer:
-    def __init__(self, runner: ModelRunner, width: int = 32, vocab_limit: int | None = None):
-        """``width``: support size K of the shipped q'. ``vocab_limit``: the target's vocabulary
-        size when the draft's embedding matrix is larger (padded rows are never proposed)."""
+    def __init__(self, runner: ModelRunner, width: int = 32, target_vocab: int | None = None,
+                 vocab_map: list[int] | None = None):
+        """``width``: support size K of the shipped q'. ``target_vocab``: the target's vocabulary size;
+        draft rows past it (padding of a larger embedding) are never proposed. ``vocab_map``: for a
+        reduced-vocabulary draft (``serve_app.distill``), the target id of each draft id; one extra
+        draft row stands for every other target token on input and is never proposed."""
         self.runner = runner
         self.width = width
-        self.vocab_limit = vocab_limit
         self.history = TokenHistory()
         self.generators: dict[str, torch.Generator] = {}
+        self.proposable = target_vocab  # draft logits past this column are masked
+        self.to_target: torch.Tensor | None = None  # [N] draft id -> target id
+        self.to_draft: torch.Tensor | None = None  # [target_vocab] target id -> draft id
+        if vocab_map is not None:
+            if target_vocab is None:
+                raise ValueError("a reduced-vocabulary draft needs the target's vocabulary size")
+            self.to_target = torch.tensor(vocab_map, dtype=torch.long)
+            self.to_draft = torch.full((target_vocab,), len(vocab_map), dtype=torch.long)
+            self.to_draft[self.to_target] = torch.arange(len(vocab_map))
+            self.proposable = len(vocab_map)
 
     def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         self.history.add(seq_id, prompt_ids, params)
@@ -42,7 +54,7 @@ class DraftModelProposer:
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         self.generators[seq_id] = torch.Generator().manual_seed(seed + DRAFT_SEED_OFFSET)
         if len(prompt_ids) > 1:
-            self.runner.forward([seq_id], [list(prompt_ids[:-1])])
+            self.runner.forward([seq_id], [self._to_draft(prompt_ids[:-1])])
 
     def remove_sequence(self, seq_id: str) -> None:
         if seq_id in self.generators:
@@ -60,13 +72,13 @@ class DraftModelProposer:
         q_probs = None if greedy else torch.zeros((batch, k, self.width), dtype=torch.float32)
 
         rows = [i for i in range(batch) if num_tokens[i] > 0]
-        feed = [self.history.tokens[seq_ids[i]][self.runner.length(seq_ids[i]):] for i in rows]
+        feed = [self._to_draft(self.history.tokens[seq_ids[i]][self.runner.length(seq_ids[i]):]) for i in rows]
         for step in range(k):
             if not rows:
                 break
             logits = self.runner.forward([seq_ids[i] for i in rows], feed)  # [rows, vocab]
-            if self.vocab_limit is not None and logits.shape[-1] > self.vocab_limit:
-                logits[:, self.vocab_limit:] = float("-inf")
+            if self.proposable is not None:
+                logits = logits[:, : self.proposable]  # never propose padding or input-only rows
             chosen = self._choose(logits, [seq_ids[i] for i in rows], [params[i] for i in rows])
             for r, i in enumerate(rows):
                 token, ids, probs = chosen[r]
@@ -75,22 +87,29 @@ class DraftModelProposer:
                     q_ids[i, step], q_probs[i, step] = ids, probs
             # Rows that still need tokens feed the one they just drew (the last is never fed).
             keep = [r for r, i in enumerate(rows) if step + 1 < num_tokens[i]]
-            feed = [[int(tokens[rows[r], step])] for r in keep]
+            feed = [self._to_draft([int(tokens[rows[r], step])]) for r in keep]
             rows = [rows[r] for r in keep]
         lengths = torch.tensor([min(n, k) for n in num_tokens], dtype=torch.long)
         return ProposalBlock(tuple(seq_ids), tokens, lengths, q_ids, q_probs)
+
+    def _to_draft(self, tokens: Sequence[int]) -> list[int]:
+        return list(tokens) if self.to_draft is None else self.to_draft[list(tokens)].tolist()
 
     def _choose(
         self, logits: torch.Tensor, seq_ids: Sequence[str], params: Sequence[SamplingParams]
     ) -> list[tuple[int, torch.Tensor | None, torch.Tensor | None]]:
         """Per row: (token, q' support ids, q' probs); the q' entries are None for greedy rows."""
-        out: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = [
-            (int(t), None, None) for t in logits.argmax(dim=-1)
-        ]
+        to_target = self.to_target
+        argmax = logits.argmax(dim=-1)
+        if to_target is not None:
+            argmax = to_target[argmax]
+        out: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = [(int(t), None, None) for t in argmax]
         sampled = [r for r, p in enumerate(params) if not p.greedy]
         if sampled:
             probs = probabilities(logits[sampled][:, None], [params[r] for r in sampled])[:, 0]
-            ids, q = truncate_top(probs, self.width)  # [rows, width]
+            ids, q = truncate_top(probs, self.width)  # [rows, width], draft ids
+            if to_target is not None:
+                ids = torch.where(ids >= 0, to_target[ids.clamp(min=0)], ids)
             for j, r in enumerate(sampled):
                 pick = torch.multinomial(q[j], 1, generator=self.generators[seq_ids[r]])
                 out[r] = (int(ids[j, pick]), ids[j], q[j])

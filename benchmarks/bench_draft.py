@@ -1,0 +1,112 @@
+"""The trained draft against plain decoding and n-gram lookup, on the embedded model, in one run.
+
+Prompts: open-ended chat prompts the draft never trained on, and input-grounded ones (repeat or edit
+given text); greedy and temperature 0.7; single stream. Also the cost of one draft step relative
+to one target step (batch 1, one token, after a 256-token context).
+
+    python benchmarks/bench_draft.py --draft smollm2-135m-instruct-draft [--ks 1,2,3,4] [--max-tokens 128]
+
+Prints a table, writes benchmarks/results/draft.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prompts import SUITES, chat_ids  # noqa: E402
+
+from serve_app.config import EngineConfig, SpeculationConfig  # noqa: E402
+from serve_app.engine.factory import build_engine  # noqa: E402
+from serve_app.engine.request import GenerationParams  # noqa: E402
+from serve_app.engine.stats import SpecStats  # noqa: E402
+from serve_app.models.runner import ModelRunner, RunnerConfig  # noqa: E402
+from serve_app.speculation.types import SamplingParams  # noqa: E402
+
+
+def step_ms(path: Path, dtype: str) -> float:
+    runner = ModelRunner(path, RunnerConfig(dtype=dtype, max_batch_size=1, max_seq_len=512))
+    runner.add("s")
+    runner.forward(["s"], [list(range(256))])
+    times = []
+    for _ in range(30):
+        start = time.perf_counter()
+        runner.forward(["s"], [[5]])
+        times.append(time.perf_counter() - start)
+        runner.truncate("s", 256)
+    return statistics.median(times) * 1e3
+
+
+def run(engine, prompts, method: str, k: int, sampling: SamplingParams, max_tokens: int) -> dict:
+    stats, tokens = SpecStats(), 0
+    start = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        s = sampling if sampling.greedy else SamplingParams(sampling.temperature, seed=i)
+        out = engine.generate([ids], GenerationParams(max_tokens=max_tokens, method=method,
+                                                      num_speculative_tokens=k, sampling=s))[0]
+        stats.merge(out.stats)
+        tokens += len(out.token_ids)
+    elapsed = time.perf_counter() - start
+    return {"tokens": tokens, "tok_s": tokens / elapsed, "mean_acceptance_length": stats.mean_acceptance_length,
+            "acceptance_rate": stats.acceptance_rate}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", default="smollm2-135m-instruct-draft")
+    ap.add_argument("--ks", default="1,2,3,4")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "draft.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = build_engine(EngineConfig(dtype=args.dtype, max_batch_size=1, max_seq_len=1024, speculation=
+                                       SpeculationConfig(draft=args.draft, num_speculative_tokens=4)))
+    target_ms = step_ms(engine.verifier.runner.path, args.dtype)
+    draft_ms = step_ms(engine.proposers["draft"].runner.path, args.dtype)  # type: ignore[attr-defined]
+    suites = {name: [chat_ids(engine.tokenizer, p) for p in texts] for name, texts in SUITES.items()}
+    engine.generate([suites["open"][0]], GenerationParams(max_tokens=8))  # warm-up
+
+    configs = [("plain", "none", 0), ("ngram k=4", "ngram", 4)] + [
+        (f"draft k={k}", "draft", k) for k in map(int, args.ks.split(","))]
+    rows = []
+    for decoding, sampling in (("greedy", SamplingParams()), ("T=0.7", SamplingParams(temperature=0.7))):
+        for suite, prompts in suites.items():
+            base = None
+            for name, method, k in configs:
+                r = run(engine, prompts, method, k, sampling, args.max_tokens)
+                base = base or r["tok_s"]
+                rows.append({"decoding": decoding, "suite": suite, "config": name, **{
+                    key: round(v, 3) for key, v in r.items()}, "ratio_vs_plain": round(r["tok_s"] / base, 3)})
+    # mixed = both suites together, as the defaults are chosen on
+    mixed = {}
+    for r in rows:
+        key = (r["decoding"], r["config"])
+        mixed.setdefault(key, []).append(r["tok_s"])
+
+    print(f"\ndraft={args.draft}: one draft step {draft_ms:.2f} ms = {draft_ms / target_ms:.1%} of a target step "
+          f"({target_ms:.2f} ms), {args.dtype}, {args.threads} threads, {args.max_tokens} tokens, batch 1")
+    print(f"{'decoding':8} {'suite':9} {'config':10} {'tok/s':>7} {'x plain':>8} {'mean acc len':>12} {'acc rate':>8}")
+    for r in rows:
+        print(f"{r['decoding']:8} {r['suite']:9} {r['config']:10} {r['tok_s']:>7.1f} {r['ratio_vs_plain']:>8.2f} "
+              f"{r['mean_acceptance_length']:>12.2f} {r['acceptance_rate']:>8.2f}")
+    print("\nmixed prompts (mean tok/s over both suites):")
+    for (decoding, name), values in mixed.items():
+        print(f"  {decoding:8} {name:10} {statistics.mean(values):7.1f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "draft_step_ms": draft_ms, "target_step_ms": target_ms,
+                               "rows": rows}, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""``python -m serve_app distill``: train a draft for a target by distillation, without downloads.
+
+Phases, each saved in ``--out`` so an interrupted run resumes where it stopped:
+1. data.pt: on-policy chat responses of the target (greedy, plus sampled variants) generated with
+   the engine's own batched decoding, for prompts composed in ``prompts.py``; held-out prompts
+   (topics and instructions never trained on) for evaluation; stdlib docstrings as plain text.
+2. teacher.pt: the target teacher-forced over every sequence in batches; per position the top-K of
+   its distribution, mapped into the draft's reduced vocabulary (chosen from token frequencies).
+3. checkpoint.pt + draft/: the draft (``draft_model.py``) trained on soft cross-entropy to those
+   distributions; progress shows tokens, loss, held-out agreement and time left.
+
+Held-out agreement a = P(draft argmax == target's greedy token); the expected tokens per target pass
+at k = 4 is then about 1 + a + a^2 + a^3 + a^4 (Leviathan et al. 2023, with a constant a).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from serve_app.config import EngineConfig, SpeculationConfig
+from serve_app.distill.draft_model import coverage, init_draft, save_draft, select_vocab
+from serve_app.distill.prompts import chat_prompts, stdlib_text
+from serve_app.engine.request import GenerationParams
+from serve_app.models.runner import ModelRunner, RunnerConfig
+from serve_app.models.sources import resolve
+from serve_app.speculation.types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DistillConfig:
+    target: str
+    out: Path
+    minutes: float = 60.0  # training time
+    vocab_size: int = 8192
+    max_prompts: int | None = None
+    samples_per_prompt: int = 2  # one greedy response + sampled ones
+    max_new_tokens: int = 160
+    text_docs: int = 600
+    text_tokens: int = 192
+    top_k: int = 32  # teacher support kept per position
+    batch_size: int = 16
+    lr: float = 1e-3
+    gen_batch: int = 32
+    eval_every: int = 200
+    seed: int = 0
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ---- phase 1: data ------------------------------------------------------------------------------
+def generate(cfg: DistillConfig, target_path: Path) -> dict:
+    from serve_app.engine.factory import build_engine
+
+    engine = build_engine(EngineConfig(model=str(target_path), dtype="bfloat16", max_batch_size=cfg.gen_batch,
+                                       max_seq_len=512, speculation=SpeculationConfig(draft="none")))
+    tok = engine.tokenizer
+
+    def chat(text: str) -> list[int]:
+        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False)
+
+    splits = {"train": chat_prompts("train", cfg.seed)[: cfg.max_prompts], "heldout": chat_prompts("heldout")}
+    data: dict = {"train": [], "heldout": [], "text": []}
+    for split, texts in splits.items():
+        samples = 1 if split == "heldout" else cfg.samples_per_prompt
+        jobs = [(chat(t), SamplingParams() if s == 0 else SamplingParams(temperature=0.8, seed=cfg.seed + i))
+                for i, t in enumerate(texts) for s in range(samples)]
+        start, done, tokens = time.perf_counter(), 0, 0
+        for lo in range(0, len(jobs), cfg.gen_batch * 4):
+            chunk = jobs[lo: lo + cfg.gen_batch * 4]
+            outs = engine.generate([p for p, _ in chunk],
+                                   [GenerationParams(max_tokens=cfg.max_new_tokens, sampling=s) for _, s in chunk])
+            for (prompt, sampling), out in zip(chunk, outs, strict=True):
+                data[split].append((prompt, out.token_ids, sampling.greedy))
+            done += len(chunk)
+            tokens += sum(len(o.token_ids) for o in outs)
+            rate = tokens / (time.perf_counter() - start)
+            left = (len(jobs) - done) * tokens / done / rate
+            say(f"[data] {split}: {done}/{len(jobs)} responses, {tokens} tokens, {rate:.0f} tok/s, "
+                f"~{left / 60:.1f} min left")
+    for doc in stdlib_text(cfg.text_docs):
+        ids = tok.encode(doc)[: cfg.text_tokens]
+        if len(ids) > 16:
+            data["text"].append(ids)
+    say(f"[data] text: {len(data['text'])} docstrings")
+    return data
+
+
+# ---- phase 2: teacher -----------------------------------------------------------------------------
+def sequences(data: dict, split: str) -> list[tuple[list[int], int]]:
+    """(token ids, first position whose next-token distribution is trained on)."""
+    out = [(prompt + resp, len(prompt) - 1) for prompt, resp, _ in data[split] if resp]
+    if split == "train":
+        out += [(ids, 0) for ids in data["text"]]
+    return out
+
+
+@torch.inference_mode()
+def teacher(cfg: DistillConfig, target_path: Path, data: dict, vocab: list[int]) -> dict:
+    runner = ModelRunner(target_path, RunnerConfig(dtype="bfloat16", max_batch_size=4, max_seq_len=1024))
+    to_draft = torch.full((runner.vocab_size,), -1, dtype=torch.long)
+    to_draft[torch.tensor(vocab)] = torch.arange(len(vocab))
+    result = {}
+    for split in ("train", "heldout"):
+        seqs = sequences(data, split)
+        items, start, tokens = [], time.perf_counter(), 0
+        for lo in range(0, len(seqs), 4):
+            batch = seqs[lo: lo + 4]
+            ids = [f"t{lo + i}" for i in range(len(batch))]
+            for s in ids:
+                runner.add(s)
+            logits = runner.forward(ids, [seq[:-1] for seq, _ in batch], logits="all")  # [b, T, V]
+            for s in ids:
+                runner.release(s)
+            for i, (seq, first) in enumerate(batch):
+                rows = logits[i, first: len(seq) - 1]  # predicts seq[first + 1:]
+                probs = torch.softmax(rows, dim=-1)
+                top_p, top_i = probs.topk(cfg.top_k, dim=-1)
+                mapped = to_draft[top_i]
+                top_p = torch.where(mapped >= 0, top_p, 0.0)  # mass outside the draft vocab is unreachable
+                items.append({"ids": torch.tensor(seq), "first": first, "q_ids": mapped.clamp(min=0).int(),
+                              "q_probs": (top_p / top_p.sum(-1, keepdim=True).clamp(min=1e-9)).half(),
+                              "greedy": rows.argmax(-1)})
+                tokens += len(seq) - 1 - first
+            if (lo // 4) % 50 == 0:
+                say(f"[teacher] {split}: {lo + len(batch)}/{len(seqs)} sequences, "
+                    f"{tokens / (time.perf_counter() - start):.0f} tok/s")
+        result[split] = items
+    return result
+
+
+# ---- phase 3: train -------------------------------------------------------------------------------
+def batch_loss(draft, items, to_draft: torch.Tensor, n_vocab: int) -> torch.Tensor:
+    T = max(len(it["ids"]) - 1 for it in items)
+    inputs = torch.full((len(items), T), n_vocab, dtype=torch.long)
+    mask = torch.zeros(len(items), T, dtype=torch.long)
+    for i, it in enumerate(items):
+        n = len(it["ids"]) - 1
+        inputs[i, :n] = to_draft[it["ids"][:-1]]
+        mask[i, :n] = 1
+    logits = draft(input_ids=inputs, attention_mask=mask).logits[..., :n_vocab]  # [b, T, N]
+    logp = F.log_softmax(logits.float(), dim=-1)
+    losses = []
+    for i, it in enumerate(items):
+        n = len(it["ids"]) - 1
+        rows = logp[i, it["first"]: n]  # [positions, N]
+        losses.append(-(rows.gather(-1, it["q_ids"].long()) * it["q_probs"].float()).sum(-1))
+    return torch.cat(losses).mean()
+
+
+@torch.inference_mode()
+def heldout_agreement(draft, items, to_draft: torch.Tensor, to_target: torch.Tensor, n_vocab: int) -> float:
+    hits = total = 0
+    for lo in range(0, len(items), 16):
+        chunk = items[lo: lo + 16]
+        T = max(len(it["ids"]) - 1 for it in chunk)
+        inputs = torch.full((len(chunk), T), n_vocab, dtype=torch.long)
+        mask = torch.zeros(len(chunk), T, dtype=torch.long)
+        for i, it in enumerate(chunk):
+            n = len(it["ids"]) - 1
+            inputs[i, :n], mask[i, :n] = to_draft[it["ids"][:-1]], 1
+        pred = draft(input_ids=inputs, attention_mask=mask).logits[..., :n_vocab].argmax(-1)
+        for i, it in enumerate(chunk):
+            n = len(it["ids"]) - 1
+            guess = to_target[pred[i, it["first"]: n]]
+            hits += int((guess == it["greedy"]).sum())
+            total += n - it["first"]
+    return hits / max(total, 1)
+
+
+def expected_length(agreement: float, k: int = 4) -> float:
+    return sum(agreement ** j for j in range(k + 1))
+
+
+def train(cfg: DistillConfig, target_path: Path, teach: dict, vocab: list[int]) -> None:
+    torch.manual_seed(cfg.seed)
+    ckpt = cfg.out / "checkpoint.pt"
+    draft = init_draft(target_path, vocab)
+    n_vocab = len(vocab)
+    from transformers import AutoConfig
+
+    to_draft = torch.full((AutoConfig.from_pretrained(target_path).vocab_size,), n_vocab, dtype=torch.long)
+    to_draft[torch.tensor(vocab)] = torch.arange(n_vocab)
+    to_target = torch.tensor(vocab)
+    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.01)
+    state = {"step": 0, "tokens": 0, "seconds": 0.0, "best": 0.0}
+    if ckpt.is_file():
+        saved = torch.load(ckpt, weights_only=False)
+        draft.load_state_dict(saved["draft"])
+        opt.load_state_dict(saved["opt"])
+        state = saved["state"]
+        say(f"[train] resumed at step {state['step']} ({state['seconds'] / 60:.1f} min trained)")
+    budget = cfg.minutes * 60
+    train_items = teach["train"]
+    rng = random.Random(cfg.seed + state["step"])
+    start = time.perf_counter() - state["seconds"]
+    draft.train()
+    while time.perf_counter() - start < budget:
+        items = rng.sample(train_items, min(cfg.batch_size, len(train_items)))
+        frac = (time.perf_counter() - start) / budget
+        for group in opt.param_groups:  # warm-up then cosine decay over the time budget
+            group["lr"] = cfg.lr * min(1.0, (state["step"] + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(frac, 1)))
+        loss = batch_loss(draft, items, to_draft, n_vocab)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        state["step"] += 1
+        state["tokens"] += sum(len(it["ids"]) - 1 - it["first"] for it in items)
+        if state["step"] % cfg.eval_every == 0 or time.perf_counter() - start >= budget:
+            draft.eval()
+            agree = heldout_agreement(draft, teach["heldout"], to_draft, to_target, n_vocab)
+            draft.train()
+            state["seconds"] = time.perf_counter() - start
+            left = max(budget - state["seconds"], 0)
+            say(f"[train] step {state['step']}, {state['tokens']} tokens, loss {loss.item():.3f}, held-out "
+                f"agreement {agree:.3f} (~{expected_length(agree):.2f} tokens/pass at k=4), {left / 60:.1f} min left")
+            with open(cfg.out / "log.jsonl", "a") as f:
+                f.write(json.dumps({**state, "loss": loss.item(), "heldout_agreement": agree}) + "\n")
+            if agree >= state["best"]:
+                state["best"] = agree
+                save_draft(draft, vocab, target_path, cfg.out / "draft")
+            torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt)
+
+
+def distill(cfg: DistillConfig) -> Path:
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    target_path = resolve(cfg.target)
+    data_file, teacher_file = cfg.out / "data.pt", cfg.out / "teacher.pt"
+    if data_file.is_file():
+        data = torch.load(data_file, weights_only=False)
+        say(f"[data] reusing {data_file}")
+    else:
+        data = generate(cfg, target_path)
+        torch.save(data, data_file)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_path)
+    responses = [resp for _, resp, _ in data["train"]]
+    vocab = select_vocab(responses + data["text"], tok.all_special_ids, cfg.vocab_size)
+    held = [resp for _, resp, _ in data["heldout"]]
+    say(f"[vocab] {len(vocab)} tokens cover {coverage(responses, vocab):.1%} of training responses, "
+        f"{coverage(held, vocab):.1%} of held-out responses")
+    if teacher_file.is_file():
+        teach = torch.load(teacher_file, weights_only=False)
+        say(f"[teacher] reusing {teacher_file}")
+    else:
+        teach = teacher(cfg, target_path, data, vocab)
+        torch.save(teach, teacher_file)
+    train(cfg, target_path, teach, vocab)
+    say(f"[done] draft written to {cfg.out / 'draft'}")
+    return cfg.out / "draft"

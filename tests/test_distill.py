@@ -1,0 +1,47 @@
+"""The distillation pipeline, end to end for a few steps on a tiny target (seconds, not minutes)."""
+
+from __future__ import annotations
+
+import torch
+
+from serve_app.distill.draft_model import coverage, select_vocab
+from serve_app.distill.prompts import chat_prompts
+from serve_app.distill.train import DistillConfig, distill
+from serve_app.engine.request import GenerationParams
+from serve_app.speculation.compatibility import check_draft, load_vocab
+from tests.helpers import engine_for
+
+
+def test_heldout_prompts_never_appear_in_training():
+    assert not set(chat_prompts("train")) & set(chat_prompts("heldout"))
+
+
+def test_vocabulary_keeps_specials_and_frequent_tokens():
+    vocab = select_vocab([[5, 5, 5, 7, 7, 9]], special_ids=[0, 2], size=4)
+    assert vocab == [0, 2, 5, 7]
+    assert coverage([[5, 5, 9]], vocab) == 2 / 3
+
+
+def test_pipeline_trains_resumes_and_yields_a_lossless_draft(tiny_models, tmp_path):
+    target = tiny_models["llama"]
+    cfg = DistillConfig(target=str(target), out=tmp_path / "run", minutes=0.05, vocab_size=200, max_prompts=6,
+                        samples_per_prompt=2, max_new_tokens=12, text_docs=3, text_tokens=32, batch_size=4,
+                        eval_every=3, gen_batch=8)
+    draft = distill(cfg)
+    for name in ("data.pt", "teacher.pt", "checkpoint.pt", "log.jsonl"):
+        assert (cfg.out / name).is_file()
+    step = torch.load(cfg.out / "checkpoint.pt", weights_only=False)["state"]["step"]
+    assert step > 0
+    assert "reduced vocabulary" in check_draft(target, draft)[0]
+    vocab = load_vocab(draft)
+    assert vocab is not None and len(vocab) <= 200
+
+    distill(cfg)  # resumes: reuses data and teacher, continues from the checkpoint
+    assert torch.load(cfg.out / "checkpoint.pt", weights_only=False)["state"]["step"] >= step
+
+    engine = engine_for(target, draft=draft, k=3)
+    prompts = [engine.tokenizer.encode(p) for p in ("The quick brown fox", "def add(a, b):")]
+    plain = engine.generate(prompts, GenerationParams(max_tokens=20, method="none"))
+    spec = engine.generate(prompts, GenerationParams(max_tokens=20, method="draft"))
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert sum(s.stats.num_draft_tokens for s in spec) > 0
