@@ -28,6 +28,8 @@ from serve_app.engine.factory import build_engine  # noqa: E402
 from serve_app.engine.request import GenerationParams  # noqa: E402
 from serve_app.engine.stats import SpecStats  # noqa: E402
 from serve_app.models.runner import ModelRunner, RunnerConfig  # noqa: E402
+from serve_app.speculation.proposers.hybrid import HybridProposer  # noqa: E402
+from serve_app.speculation.proposers.ngram import NgramProposer  # noqa: E402
 from serve_app.speculation.types import SamplingParams  # noqa: E402
 
 
@@ -77,11 +79,16 @@ def main() -> None:
 
     configs = [("plain", "none", 0), ("ngram k=4", "ngram", 4)] + [
         (f"draft k={k}", "draft", k) for k in map(int, args.ks.split(","))]
+    draft = engine.proposers["draft"]
+    hybrid = HybridProposer(NgramProposer(), draft)
+    configs.append(("hybrid k=4", "hybrid", 4))  # n-gram where the context matches, the draft elsewhere
     rows = []
     for decoding, sampling in (("greedy", SamplingParams()), ("T=0.7", SamplingParams(temperature=0.7))):
         for suite, prompts in suites.items():
             base = None
             for name, method, k in configs:
+                engine.proposers["draft"] = hybrid if method == "hybrid" else draft
+                method = "draft" if method == "hybrid" else method
                 r = run(engine, prompts, method, k, sampling, args.max_tokens)
                 base = base or r["tok_s"]
                 rows.append({"decoding": decoding, "suite": suite, "config": name, **{

@@ -33,6 +33,12 @@ class SpeculationConfig(StrictModel):
         description="Support size of the truncated draft distribution q' shipped with each sampled "
         "draft token. Larger keeps more of q (higher acceptance), smaller keeps blocks small.",
     )
+    ngram_first: bool = Field(
+        False,
+        description="With a draft model: use n-gram lookup for a sequence whenever its last "
+        "`ngram_match` tokens occur earlier in its context, the draft otherwise.",
+    )
+    ngram_match: int = Field(2, ge=1, description="Suffix length that counts as a match for ngram_first.")
     ngram_min: int = Field(1, ge=1, description="Shortest suffix n-gram the prompt lookup matches.")
     ngram_max: int = Field(3, ge=1, description="Longest suffix n-gram the prompt lookup tries first.")
 
@@ -40,6 +46,12 @@ class SpeculationConfig(StrictModel):
     def _ngram_range(self) -> SpeculationConfig:
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        return self
+
+    @model_validator(mode="after")
+    def _ngram_first_needs_a_draft(self) -> SpeculationConfig:
+        if self.ngram_first and self.draft in ("ngram", "none"):
+            raise ValueError("ngram_first combines n-gram lookup with a draft model: set `draft` to a model")
         return self
 
     @property

@@ -9,10 +9,10 @@ from serve_app.config import EngineConfig, SpeculationConfig
 from serve_app.engine.factory import build_engine
 
 
-def engine_for(target, draft="ngram", k=4, batch=4, seq_len=256):
+def engine_for(target, draft="ngram", k=4, batch=4, seq_len=256, **speculation):
     config = EngineConfig(
         model=str(target), dtype="float32", max_batch_size=batch, max_seq_len=seq_len,
-        speculation=SpeculationConfig(draft=str(draft), num_speculative_tokens=k),
+        speculation=SpeculationConfig(draft=str(draft), num_speculative_tokens=k, **speculation),
     )
     return build_engine(config)
 

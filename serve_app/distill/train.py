@@ -78,19 +78,22 @@ def generate(cfg: DistillConfig, target_path: Path) -> dict:
         samples = 1 if split == "heldout" else cfg.samples_per_prompt
         jobs = [(chat(t), SamplingParams() if s == 0 else SamplingParams(temperature=0.8, seed=cfg.seed + i))
                 for i, t in enumerate(texts) for s in range(samples)]
+        # all requests at once: continuous batching refills every freed slot
+        ids = {engine.add_request(p, GenerationParams(max_tokens=cfg.max_new_tokens, sampling=s)): p for p, s in jobs}
+        greedy = {rid: s.greedy for rid, (_, s) in zip(ids, jobs, strict=True)}
         start, done, tokens = time.perf_counter(), 0, 0
-        for lo in range(0, len(jobs), cfg.gen_batch * 4):
-            chunk = jobs[lo: lo + cfg.gen_batch * 4]
-            outs = engine.generate([p for p, _ in chunk],
-                                   [GenerationParams(max_tokens=cfg.max_new_tokens, sampling=s) for _, s in chunk])
-            for (prompt, sampling), out in zip(chunk, outs, strict=True):
-                data[split].append((prompt, out.token_ids, sampling.greedy))
-            done += len(chunk)
-            tokens += sum(len(o.token_ids) for o in outs)
-            rate = tokens / (time.perf_counter() - start)
-            left = (len(jobs) - done) * tokens / done / rate
-            say(f"[data] {split}: {done}/{len(jobs)} responses, {tokens} tokens, {rate:.0f} tok/s, "
-                f"~{left / 60:.1f} min left")
+        while engine.has_work:
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                data[split].append((ids[out.request_id], out.token_ids, greedy[out.request_id]))
+                done += 1
+                tokens += len(out.token_ids)
+                if done % 100 == 0 or done == len(jobs):
+                    rate = tokens / (time.perf_counter() - start)
+                    left = (len(jobs) - done) * tokens / done / rate
+                    say(f"[data] {split}: {done}/{len(jobs)} responses, {tokens} tokens, {rate:.0f} tok/s, "
+                        f"~{left / 60:.1f} min left")
     for doc in stdlib_text(cfg.text_docs):
         ids = tok.encode(doc)[: cfg.text_tokens]
         if len(ids) > 16:

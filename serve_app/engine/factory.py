@@ -15,6 +15,7 @@ from serve_app.models.sources import resolve
 from serve_app.speculation.compatibility import check_draft, load_vocab
 from serve_app.speculation.proposers.base import NoProposer, Proposer
 from serve_app.speculation.proposers.draft_model import DraftModelProposer
+from serve_app.speculation.proposers.hybrid import HybridProposer
 from serve_app.speculation.proposers.ngram import NgramProposer
 from serve_app.speculation.verifier import TargetVerifier
 
@@ -65,6 +66,9 @@ def build_engine(config: EngineConfig) -> Engine:
         draft = ModelRunner(draft_path, runner_config(config))
         proposers["draft"] = DraftModelProposer(draft, spec.draft_top_k, target_vocab=target.vocab_size,
                                                 vocab_map=load_vocab(draft_path))
+        if spec.ngram_first:
+            proposers["draft"] = HybridProposer(NgramProposer(spec.ngram_min, spec.ngram_max),
+                                                proposers["draft"], spec.ngram_match)
     return Engine(
         TargetVerifier(target),
         proposers,

@@ -25,6 +25,7 @@ from serve_app.serving.config import AppConfig, PlacementConfig
 from serve_app.serving.metrics import ServingMetrics
 from serve_app.speculation.compatibility import check_draft
 from serve_app.speculation.proposers.base import NoProposer, Proposer
+from serve_app.speculation.proposers.hybrid import HybridProposer
 from serve_app.speculation.proposers.ngram import NgramProposer
 from serve_app.workers.base import WorkerInfo
 from serve_app.workers.draft_worker import DraftWorker
@@ -108,6 +109,9 @@ def build_replica_engine(config: AppConfig, metrics: ServingMetrics | None = Non
         draft = RemoteDraftProposer(spawn, compiled, on_state=metrics.on_draft_state if metrics else lambda _: None)
         workers["draft"] = ray.get(draft.actor.info.remote())
         proposers["draft"] = draft  # type: ignore[assignment]
+        if spec.ngram_first:
+            proposers["draft"] = HybridProposer(NgramProposer(spec.ngram_min, spec.ngram_max), draft,
+                                                spec.ngram_match)  # type: ignore[arg-type]
         if metrics:
             metrics.on_draft_state(True)
 

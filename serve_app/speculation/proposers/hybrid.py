@@ -1,0 +1,45 @@
+"""N-gram lookup where the context offers a match, the draft model elsewhere.
+
+Prompt lookup is nearly free and accepts long runs when the answer repeats the input (code edits,
+quoting); a trained draft is better on open text. Each round, a sequence whose last ``min_match``
+tokens occur earlier in its context takes the n-gram proposal; the others ask the draft. Both
+proposers see every outcome, so the draft's cache stays current (it catches up on the tokens of
+n-gram rounds at its next proposal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from serve_app.speculation.proposers.base import Proposer
+from serve_app.speculation.proposers.ngram import NgramProposer, lookup
+from serve_app.speculation.types import ProposalBlock, SamplingParams, VerifyResult
+
+
+class HybridProposer:
+    def __init__(self, ngram: NgramProposer, draft: Proposer, min_match: int = 2):
+        self.ngram, self.draft, self.min_match = ngram, draft, min_match
+
+    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        self.ngram.add_sequence(seq_id, prompt_ids, params)
+        self.draft.add_sequence(seq_id, prompt_ids, params)
+
+    def remove_sequence(self, seq_id: str) -> None:
+        self.ngram.remove_sequence(seq_id)
+        self.draft.remove_sequence(seq_id)
+
+    def propose(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> ProposalBlock:
+        by_lookup, by_draft = [], []
+        for s, k in zip(seq_ids, num_tokens, strict=True):
+            tokens = np.asarray(self.ngram.history.tokens[s])
+            matched = k > 0 and lookup(tokens, 1, max(self.min_match, self.ngram.min_n), self.ngram.max_n)
+            (by_lookup if matched else by_draft).append((s, k))
+        blocks = [p.propose([s for s, _ in rows], [k for _, k in rows])
+                  for p, rows in ((self.ngram, by_lookup), (self.draft, by_draft)) if rows]
+        return ProposalBlock.concat(blocks)  # the engine matches rows by seq_id, not by order
+
+    def observe(self, result: VerifyResult) -> None:
+        self.ngram.observe(result)
+        self.draft.observe(result)
