@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from serve_app.speculation.types import SamplingParams
 from serve_app.workers.placement import Accelerator, claim_neuron_cores
 
 
@@ -30,6 +32,7 @@ class WorkerBase:
     (add/remove sequences) run on different threads of the same actor."""
 
     role = "worker"
+    owner: Any  # the TargetVerifier or proposer that holds the sequences' state
 
     def _start(self, accelerator: Accelerator, num_threads: int | None) -> None:
         self.lock = threading.Lock()
@@ -49,6 +52,14 @@ class WorkerBase:
 
     def ping(self) -> bool:
         return True
+
+    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        with self.lock:
+            self.owner.add_sequence(seq_id, prompt_ids, params)
+
+    def remove_sequence(self, seq_id: str) -> None:
+        with self.lock:
+            self.owner.remove_sequence(seq_id)
 
     @contextmanager
     def _round(self) -> Iterator[None]:

@@ -7,13 +7,12 @@ So a round costs one call to each worker.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 from serve_app.models.runner import ModelRunner, RunnerConfig
 from serve_app.speculation.compatibility import load_vocab
 from serve_app.speculation.proposers.draft_model import DraftModelProposer
-from serve_app.speculation.types import ProposalBlock, SamplingParams, VerifyResult
+from serve_app.speculation.types import ProposalBlock, VerifyResult
 from serve_app.workers.base import WorkerBase, WorkerInfo
 from serve_app.workers.placement import Accelerator
 
@@ -25,18 +24,10 @@ class DraftWorker(WorkerBase):
                  accelerator: Accelerator = "CPU", num_threads: int | None = None):
         self._start(accelerator, num_threads)
         runner = ModelRunner(model_path, runner_config)
-        self.proposer = DraftModelProposer(runner, width, target_vocab, load_vocab(Path(model_path)))
+        self.proposer = self.owner = DraftModelProposer(runner, width, target_vocab, load_vocab(Path(model_path)))
 
     def info(self) -> WorkerInfo:
         return self._info(self.proposer.runner.vocab_size)
-
-    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        with self.lock:
-            self.proposer.add_sequence(seq_id, prompt_ids, params)
-
-    def remove_sequence(self, seq_id: str) -> None:
-        with self.lock:
-            self.proposer.remove_sequence(seq_id)
 
     def propose(self, request: tuple[tuple[VerifyResult, ...], tuple[str, ...], tuple[int, ...]]) -> ProposalBlock:
         """``request`` = (outcomes not seen yet, oldest first; seq_ids; draft tokens wanted per sequence).

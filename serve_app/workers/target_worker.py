@@ -5,10 +5,8 @@ Its only round method is ``verify(ProposalBlock) -> VerifyResult``; p never leav
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from serve_app.models.runner import ModelRunner, RunnerConfig
-from serve_app.speculation.types import ProposalBlock, SamplingParams, VerifyResult
+from serve_app.speculation.types import ProposalBlock, VerifyResult
 from serve_app.speculation.verifier import TargetVerifier
 from serve_app.workers.base import WorkerBase, WorkerInfo
 from serve_app.workers.placement import Accelerator
@@ -20,18 +18,10 @@ class TargetWorker(WorkerBase):
     def __init__(self, model_path: str, runner_config: RunnerConfig, accelerator: Accelerator = "CPU",
                  num_threads: int | None = None):
         self._start(accelerator, num_threads)
-        self.verifier = TargetVerifier(ModelRunner(model_path, runner_config))
+        self.verifier = self.owner = TargetVerifier(ModelRunner(model_path, runner_config))
 
     def info(self) -> WorkerInfo:
         return self._info(self.verifier.runner.vocab_size)
-
-    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        with self.lock:
-            self.verifier.add_sequence(seq_id, prompt_ids, params)
-
-    def remove_sequence(self, seq_id: str) -> None:
-        with self.lock:
-            self.verifier.remove_sequence(seq_id)
 
     def verify(self, block: ProposalBlock) -> VerifyResult:
         with self._round():
