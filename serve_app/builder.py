@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 from ray.serve import Application
 
-from serve_app.serving.config import AppConfig, PlacementConfig
+from serve_app.serving.config import AppConfig
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def _resolve_accelerator(config: AppConfig) -> AppConfig:
         log.warning("the cluster has no %r resource: placing the draft and target workers on CPUs only "
                     "(placement.fallback_to_cpu). To emulate NeuronCores locally, start Ray with "
                     "--resources='{\"neuron_cores\": 8}'.", key)
-        return config.model_copy(update={"placement": PlacementConfig(**{**p.model_dump(), "accelerator": "CPU"})})
+        return config.model_copy(update={"placement": p.model_copy(update={"accelerator": "CPU"})})
     log.warning("the cluster has no %r resource yet; replicas stay pending until nodes with it join "
                 "(e.g. the Ray autoscaler adding Trainium workers)", key)
     return config

@@ -146,14 +146,19 @@ def teacher(cfg: DistillConfig, target_path: Path, data: dict, vocab: list[int])
 
 
 # ---- phase 3: train -------------------------------------------------------------------------------
-def batch_loss(draft, items, to_draft: torch.Tensor, n_vocab: int) -> torch.Tensor:
+def padded_inputs(items, to_draft: torch.Tensor, n_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft-vocabulary inputs [b, T] (every token but the last) and their attention mask."""
     T = max(len(it["ids"]) - 1 for it in items)
     inputs = torch.full((len(items), T), n_vocab, dtype=torch.long)
     mask = torch.zeros(len(items), T, dtype=torch.long)
     for i, it in enumerate(items):
         n = len(it["ids"]) - 1
-        inputs[i, :n] = to_draft[it["ids"][:-1]]
-        mask[i, :n] = 1
+        inputs[i, :n], mask[i, :n] = to_draft[it["ids"][:-1]], 1
+    return inputs, mask
+
+
+def batch_loss(draft, items, to_draft: torch.Tensor, n_vocab: int) -> torch.Tensor:
+    inputs, mask = padded_inputs(items, to_draft, n_vocab)
     logits = draft(input_ids=inputs, attention_mask=mask).logits[..., :n_vocab]  # [b, T, N]
     logp = F.log_softmax(logits.float(), dim=-1)
     losses = []
@@ -169,12 +174,7 @@ def heldout_agreement(draft, items, to_draft: torch.Tensor, to_target: torch.Ten
     hits = total = 0
     for lo in range(0, len(items), 16):
         chunk = items[lo: lo + 16]
-        T = max(len(it["ids"]) - 1 for it in chunk)
-        inputs = torch.full((len(chunk), T), n_vocab, dtype=torch.long)
-        mask = torch.zeros(len(chunk), T, dtype=torch.long)
-        for i, it in enumerate(chunk):
-            n = len(it["ids"]) - 1
-            inputs[i, :n], mask[i, :n] = to_draft[it["ids"][:-1]], 1
+        inputs, mask = padded_inputs(chunk, to_draft, n_vocab)
         pred = draft(input_ids=inputs, attention_mask=mask).logits[..., :n_vocab].argmax(-1)
         for i, it in enumerate(chunk):
             n = len(it["ids"]) - 1

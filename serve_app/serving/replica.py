@@ -27,7 +27,6 @@ from serve_app.speculation.compatibility import check_draft
 from serve_app.speculation.proposers.base import NoProposer, Proposer
 from serve_app.speculation.proposers.hybrid import HybridProposer
 from serve_app.speculation.proposers.ngram import NgramProposer
-from serve_app.workers.base import WorkerInfo
 from serve_app.workers.draft_worker import DraftWorker
 from serve_app.workers.placement import PlacementError, worker_resources
 from serve_app.workers.remote import RemoteDraftProposer, RemoteVerifier
@@ -64,7 +63,6 @@ class ReplicaEngine:
     tokenizer: PreTrainedTokenizerBase
     target: Any  # TargetWorker actor handle
     draft: RemoteDraftProposer | None
-    workers: dict[str, WorkerInfo]  # as started
 
     def close(self) -> None:
         self.engine.verifier.close()  # type: ignore[attr-defined]
@@ -126,4 +124,4 @@ def build_replica_engine(config: AppConfig, metrics: ServingMetrics | None = Non
         on_round=metrics.on_round if metrics else None,
     )
     log.info("replica ready: %s", {k: (v.pid, v.visible_cores) for k, v in workers.items()})
-    return ReplicaEngine(engine, tokenizer, target, draft, workers)
+    return ReplicaEngine(engine, tokenizer, target, draft)
