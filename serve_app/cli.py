@@ -104,6 +104,9 @@ def _distill_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab-size", type=int, default=8192, help="draft output vocabulary (most frequent tokens)")
     p.add_argument("--max-prompts", type=int, default=None, help="cap on training prompts")
     p.add_argument("--samples-per-prompt", type=int, default=2, help="1 greedy + N-1 sampled responses")
+    p.add_argument("--synth-prompts", type=int, default=0,
+                   help="also train on up to N user prompts the target writes itself (Magpie)")
+    p.add_argument("--gen-batch", type=int, default=32, help="batch size of the response generation")
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--text-docs", type=int, default=600, help="stdlib docstrings used as plain text")
     p.add_argument("--batch-size", type=int, default=16)
@@ -122,7 +125,8 @@ def distill(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     run(DistillConfig(
         target=args.target, out=Path(args.out), minutes=args.minutes, vocab_size=args.vocab_size,
-        max_prompts=args.max_prompts, samples_per_prompt=args.samples_per_prompt,
+        max_prompts=args.max_prompts, samples_per_prompt=args.samples_per_prompt, synth_prompts=args.synth_prompts,
+        gen_batch=args.gen_batch,
         max_new_tokens=args.max_new_tokens, text_docs=args.text_docs, batch_size=args.batch_size, lr=args.lr,
         eval_every=args.eval_every,
     ))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from serve_app.distill.draft_model import coverage, select_vocab
-from serve_app.distill.prompts import chat_prompts
+from serve_app.distill.prompts import chat_prompts, usable_prompts, user_turn_prefix
 from serve_app.distill.train import DistillConfig, distill
 from serve_app.engine.request import GenerationParams
 from serve_app.speculation.compatibility import check_draft, load_vocab
@@ -14,6 +14,22 @@ from tests.helpers import engine_for
 
 def test_heldout_prompts_never_appear_in_training():
     assert not set(chat_prompts("train")) & set(chat_prompts("heldout"))
+
+
+def test_synthetic_prompts_are_distinct_long_enough_and_not_held_out():
+    heldout = ["Teach me something interesting about submarines."]
+    candidates = ["What is a good name for a cat?", "what is a GOOD name for a cat", "Hi there",
+                  "Teach me something really interesting about submarines.", "How do tides work on Mars?"]
+    assert usable_prompts(candidates, heldout) == ["What is a good name for a cat?", "How do tides work on Mars?"]
+
+
+def test_user_turn_prefix_ends_where_the_user_message_starts(tiny_models):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_models["llama"])
+    prefix = user_turn_prefix(tok)
+    full = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False)
+    assert full.startswith(prefix + "hello") and prefix.rstrip().endswith("user")
 
 
 def test_vocabulary_keeps_specials_and_frequent_tokens():
@@ -25,7 +41,7 @@ def test_vocabulary_keeps_specials_and_frequent_tokens():
 def test_pipeline_trains_resumes_and_yields_a_lossless_draft(tiny_models, tmp_path):
     target = tiny_models["llama"]
     cfg = DistillConfig(target=str(target), out=tmp_path / "run", minutes=0.05, vocab_size=200, max_prompts=6,
-                        samples_per_prompt=2, max_new_tokens=12, text_docs=3, text_tokens=32, batch_size=4,
+                        samples_per_prompt=2, synth_prompts=4, max_new_tokens=12, text_docs=3, text_tokens=32, batch_size=4,
                         eval_every=3, gen_batch=8)
     draft = distill(cfg)
     for name in ("data.pt", "teacher.pt", "checkpoint.pt", "log.jsonl"):

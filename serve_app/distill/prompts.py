@@ -1,5 +1,6 @@
-"""Training data that needs no download: chat prompts composed from topics and instructions, and
-plain text from the docstrings of the installed Python standard library.
+"""Training data that needs no download: chat prompts composed from topics and instructions, user
+prompts the target writes itself (Magpie), and plain text from the installed standard library's
+docstrings.
 
 Held-out evaluation uses topics and instructions that training never sees (``split="heldout"``).
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import random
+import re
 import sys
 
 TOPICS = [
@@ -61,6 +63,36 @@ def chat_prompts(split: str = "train", seed: int = 0) -> list[str]:
         prompts += CODE_TASKS
     random.Random(seed).shuffle(prompts)
     return prompts
+
+
+def user_turn_prefix(tokenizer) -> str:
+    """The chat template up to where a user's message starts. Sampled from there, an instruction-tuned
+    model writes a plausible user prompt (Magpie, arXiv 2406.08464): diverse prompts for free."""
+    marker = "\x00USER\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    return text[: text.index(marker)]
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z0-9]+", text.lower()))
+
+
+def usable_prompts(candidates: list[str], exclude: list[str], min_words: int = 4) -> list[str]:
+    """Distinct synthetic prompts, dropping short ones and any close to an excluded (held-out) prompt
+    (word Jaccard >= 0.5), so that held-out evaluation stays unseen."""
+    banned = [_words(e) for e in exclude]
+    out, seen = [], set()
+    for text in candidates:
+        text = text.strip()
+        words = _words(text)
+        key = " ".join(sorted(words))
+        if len(words) < min_words or key in seen:
+            continue
+        if any(len(words & b) / len(words | b) >= 0.5 for b in banned):
+            continue
+        seen.add(key)
+        out.append(text)
+    return out
 
 
 def stdlib_text(max_docs: int = 2000) -> list[str]:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from serve_app.config import EngineConfig, SpeculationConfig
 from serve_app.distill.draft_model import coverage, init_draft, save_draft, select_vocab
-from serve_app.distill.prompts import chat_prompts, stdlib_text
+from serve_app.distill.prompts import chat_prompts, stdlib_text, usable_prompts, user_turn_prefix
 from serve_app.engine.request import GenerationParams
 from serve_app.models.runner import ModelRunner, RunnerConfig
 from serve_app.models.sources import resolve
@@ -45,6 +45,7 @@ class DistillConfig:
     vocab_size: int = 8192
     max_prompts: int | None = None
     samples_per_prompt: int = 2  # one greedy response + sampled ones
+    synth_prompts: int = 0  # candidate prompts the target writes itself (Magpie)
     max_new_tokens: int = 160
     text_docs: int = 600
     text_tokens: int = 192
@@ -61,6 +62,37 @@ def say(msg: str) -> None:
 
 
 # ---- phase 1: data ------------------------------------------------------------------------------
+def run_jobs(engine, jobs: list[tuple[list[int], GenerationParams]], label: str) -> list[list[int]]:
+    """Generate every job at once (continuous batching refills each freed slot); outputs in job order."""
+    ids = {engine.add_request(prompt, params): i for i, (prompt, params) in enumerate(jobs)}
+    outputs: list[list[int]] = [[] for _ in jobs]
+    start, done, tokens = time.perf_counter(), 0, 0
+    while engine.has_work:
+        for out in engine.step():
+            if not out.finished:
+                continue
+            outputs[ids[out.request_id]] = out.token_ids
+            done += 1
+            tokens += len(out.token_ids)
+            if done % 200 == 0 or done == len(jobs):
+                rate = tokens / (time.perf_counter() - start)
+                left = (len(jobs) - done) * tokens / done / rate
+                say(f"[data] {label}: {done}/{len(jobs)}, {tokens} tokens, {rate:.0f} tok/s, ~{left / 60:.1f} min left")
+    return outputs
+
+
+def synthesize_prompts(engine, n: int, seed: int, exclude: list[str]) -> list[str]:
+    """n candidate user prompts written by the target itself from the user-turn prefix (Magpie)."""
+    tok = engine.tokenizer
+    prefix = tok.encode(user_turn_prefix(tok), add_special_tokens=False)
+    jobs = [(prefix, GenerationParams(max_tokens=48, sampling=SamplingParams(temperature=1.0, seed=seed + i)))
+            for i in range(n)]
+    texts = [tok.decode(out, skip_special_tokens=True) for out in run_jobs(engine, jobs, "synthetic prompts")]
+    kept = usable_prompts(texts, exclude)
+    say(f"[data] synthetic prompts: kept {len(kept)} of {n} (distinct, >= 4 words, not near a held-out prompt)")
+    return kept
+
+
 def generate(cfg: DistillConfig, target_path: Path) -> dict:
     from serve_app.engine.factory import build_engine
 
@@ -72,28 +104,18 @@ def generate(cfg: DistillConfig, target_path: Path) -> dict:
         return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                        tokenize=True, return_dict=False)
 
-    splits = {"train": chat_prompts("train", cfg.seed)[: cfg.max_prompts], "heldout": chat_prompts("heldout")}
+    heldout = chat_prompts("heldout")
+    train = chat_prompts("train", cfg.seed)[: cfg.max_prompts]
+    if cfg.synth_prompts:
+        train += synthesize_prompts(engine, cfg.synth_prompts, cfg.seed, exclude=heldout)
     data: dict = {"train": [], "heldout": [], "text": []}
-    for split, texts in splits.items():
+    for split, texts in (("train", train), ("heldout", heldout)):
         samples = 1 if split == "heldout" else cfg.samples_per_prompt
-        jobs = [(chat(t), SamplingParams() if s == 0 else SamplingParams(temperature=0.8, seed=cfg.seed + i))
+        jobs = [(chat(t), GenerationParams(max_tokens=cfg.max_new_tokens, sampling=SamplingParams() if s == 0
+                                           else SamplingParams(temperature=0.8, seed=cfg.seed + i)))
                 for i, t in enumerate(texts) for s in range(samples)]
-        # all requests at once: continuous batching refills every freed slot
-        ids = {engine.add_request(p, GenerationParams(max_tokens=cfg.max_new_tokens, sampling=s)): p for p, s in jobs}
-        greedy = {rid: s.greedy for rid, (_, s) in zip(ids, jobs, strict=True)}
-        start, done, tokens = time.perf_counter(), 0, 0
-        while engine.has_work:
-            for out in engine.step():
-                if not out.finished:
-                    continue
-                data[split].append((ids[out.request_id], out.token_ids, greedy[out.request_id]))
-                done += 1
-                tokens += len(out.token_ids)
-                if done % 100 == 0 or done == len(jobs):
-                    rate = tokens / (time.perf_counter() - start)
-                    left = (len(jobs) - done) * tokens / done / rate
-                    say(f"[data] {split}: {done}/{len(jobs)} responses, {tokens} tokens, {rate:.0f} tok/s, "
-                        f"~{left / 60:.1f} min left")
+        outputs = run_jobs(engine, jobs, f"{split} responses")
+        data[split] = [(prompt, out, params.sampling.greedy) for (prompt, params), out in zip(jobs, outputs, strict=True)]
     for doc in stdlib_text(cfg.text_docs):
         ids = tok.encode(doc)[: cfg.text_tokens]
         if len(ids) > 16:
