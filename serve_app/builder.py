@@ -55,7 +55,10 @@ def _resolve_accelerator(config: AppConfig) -> AppConfig:
         log.warning("the cluster has no %r resource: placing the draft and target workers on CPUs only "
                     "(placement.fallback_to_cpu). To emulate NeuronCores locally, start Ray with "
                     "--resources='{\"neuron_cores\": 8}'.", key)
-        return config.model_copy(update={"placement": p.model_copy(update={"accelerator": "CPU"})})
+        update: dict = {"placement": p.model_copy(update={"accelerator": "CPU"})}
+        if config.engine.device != "cpu":
+            update["engine"] = config.engine.model_copy(update={"device": "cpu"})
+        return config.model_copy(update=update)
     log.warning("the cluster has no %r resource yet; replicas stay pending until nodes with it join "
                 "(e.g. the Ray autoscaler adding Trainium workers)", key)
     return config

@@ -1,4 +1,4 @@
-"""Command line: ``python -m serve_app generate PROMPT [...]``, ``distill``, ``check-draft``."""
+"""Command line: ``python -m serve_app generate PROMPT [...]``, ``distill``, ``check-draft``, ``compile``."""
 
 from __future__ import annotations
 
@@ -152,6 +152,24 @@ def check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compile_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compile", help="compile a Serve config's target and draft for Neuron (NxDI artifacts)")
+    p.add_argument("config", help="Serve config file (configs/trn2-*.yaml) or a file holding its args")
+    p.add_argument("--app", default=None, help="application name, when the file has several")
+
+
+def compile_models(args: argparse.Namespace) -> int:
+    from serve_app.builder import ConfigError
+    from serve_app.models.neuron.compile import compile_config
+
+    logging.getLogger("serve_app").setLevel(logging.INFO)
+    try:
+        compile_config(Path(args.config), args.app)
+    except (ConfigError, ModelLoadError, ModelSourceError, ValueError, OSError) as e:
+        raise SystemExit(f"compile: {e}") from e
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="python -m serve_app", description=__doc__)
@@ -159,5 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _generate_parser(sub)
     _distill_parser(sub)
     _check_parser(sub)
+    _compile_parser(sub)
     args = parser.parse_args(argv)
-    return {"generate": generate, "distill": distill, "check-draft": check}[args.command](args)
+    commands = {"generate": generate, "distill": distill, "check-draft": check, "compile": compile_models}
+    return commands[args.command](args)

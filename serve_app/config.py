@@ -59,6 +59,45 @@ class SpeculationConfig(StrictModel):
         return self.draft if self.draft in ("ngram", "none") else "draft"  # type: ignore[return-value]
 
 
+class NeuronSettings(StrictModel):
+    """NxD Inference compilation and loading (``backend: neuron``). Tensor-parallel degrees come from
+    the placement (``target_cores``, ``draft_cores``); batch size, sequence length and k from the
+    engine. Artifacts are compiled once by ``python -m serve_app compile CONFIG``."""
+
+    artifacts_dir: str = Field(
+        "/mnt/neuron-cache/artifacts",
+        description="Root of the compiled artifacts (local disk, or a mounted EFS/S3 volume); each "
+        "model's artifacts live in a sub-folder keyed by everything they depend on.",
+    )
+    max_context_length: int | None = Field(
+        None, ge=2, description="Longest prompt the prefill graph takes (default: max_seq_len)."
+    )
+    context_buckets: list[int] | None = Field(
+        None, description="Prefill length buckets (default: powers of two from 128 to max_context_length)."
+    )
+    token_buckets: list[int] | None = Field(
+        None, description="KV-length buckets of the decode graphs (default: powers of two from 128 to the "
+        "sequence length)."
+    )
+    logical_nc_config: Literal[1, 2] = Field(
+        2, description="Physical cores per logical NeuronCore (trn2 default 2); must match "
+        "NEURON_LOGICAL_NC_CONFIG on the nodes.",
+    )
+    compile_if_missing: bool = Field(
+        False,
+        description="Compile at worker start when no artifacts are found (can take an hour for a 32B "
+        "target) instead of failing with the compile command to run.",
+    )
+
+    @model_validator(mode="after")
+    def _sorted_buckets(self) -> NeuronSettings:
+        for name in ("context_buckets", "token_buckets"):
+            buckets = getattr(self, name)
+            if buckets is not None and (not buckets or min(buckets) < 2 or buckets != sorted(set(buckets))):
+                raise ValueError(f"{name} must be a non-empty, increasing list of lengths >= 2")
+        return self
+
+
 class EngineConfig(StrictModel):
     """The target model, its runner and the speculation defaults."""
 
@@ -87,3 +126,14 @@ class EngineConfig(StrictModel):
         None, description="Where converted GGUF models are cached (default ~/.cache/serve_app)."
     )
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
+    neuron: NeuronSettings = Field(default_factory=NeuronSettings, description="Neuron backend settings.")
+
+    @model_validator(mode="after")
+    def _neuron_lengths(self) -> EngineConfig:
+        ctx = self.neuron.max_context_length
+        if ctx is not None and ctx > self.max_seq_len:
+            raise ValueError(f"neuron.max_context_length ({ctx}) must be <= max_seq_len ({self.max_seq_len})")
+        if self.backend == "neuron" and self.device != "cpu":
+            raise ValueError("device applies to backend: torch; the Neuron backend places models on "
+                             "NeuronCores through placement.accelerator: neuron_cores")
+        return self

@@ -62,6 +62,7 @@ def metrics_port():
 def cluster(metrics_port):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ["RAY_metrics_report_interval_ms"] = "1000"
+    os.environ["RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT"] = "1"  # a replica that cannot start fails the deploy at once
     ray.init(num_cpus=8, resources={"neuron_cores": 8}, include_dashboard=False,
              _metrics_export_port=metrics_port, logging_level="ERROR")
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
@@ -320,3 +321,14 @@ def test_a_dead_target_fails_requests_fast_and_the_replica_is_replaced(server):
         return r.status_code == 200 and server.workers.remote().result()["target"]["pid"] != target_pid
 
     wait_for(replaced, 120, interval=1)
+
+
+def test_neuron_backend_without_the_sdk_fails_at_startup_saying_what_to_install(cluster, tiny_models, tmp_path):
+    args = app_args(tiny_models)
+    args["engine"] = {**args["engine"], "backend": "neuron", "neuron": {"artifacts_dir": str(tmp_path)}}
+    with pytest.raises(RuntimeError, match="Deploying application neuron_app failed"):
+        serve.run(build_app(args), name="neuron_app", route_prefix="/neuron")
+    status = serve.status().applications["neuron_app"]  # what `serve status` shows the operator
+    message = status.deployments["SpeculativeLLMServer"].message
+    assert "NeuronSDKMissing" in message and "pip install neuronx-distributed-inference" in message
+    serve.delete("neuron_app")

@@ -115,7 +115,8 @@ def generate(cfg: DistillConfig, target_path: Path) -> dict:
                                            else SamplingParams(temperature=0.8, seed=cfg.seed + i)))
                 for i, t in enumerate(texts) for s in range(samples)]
         outputs = run_jobs(engine, jobs, f"{split} responses")
-        data[split] = [(prompt, out, params.sampling.greedy) for (prompt, params), out in zip(jobs, outputs, strict=True)]
+        data[split] = [(prompt, out, params.sampling.greedy)
+                       for (prompt, params), out in zip(jobs, outputs, strict=True)]
     for doc in stdlib_text(cfg.text_docs):
         ids = tok.encode(doc)[: cfg.text_tokens]
         if len(ids) > 16:

@@ -10,6 +10,7 @@ from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
 
 from serve_app.config import EngineConfig, SpeculationMethod
 from serve_app.engine.engine import Engine
+from serve_app.models.neuron.spec import NeuronSpec, Role
 from serve_app.models.runner import ModelRunner, RunnerConfig
 from serve_app.models.sources import resolve
 from serve_app.speculation.compatibility import check_draft, load_vocab
@@ -22,12 +23,33 @@ from serve_app.speculation.verifier import TargetVerifier
 log = logging.getLogger(__name__)
 
 
-def runner_config(config: EngineConfig) -> RunnerConfig:
+def neuron_spec(config: EngineConfig, role: Role, tp_degree: int) -> NeuronSpec:
+    """What the ``role`` model is compiled for: TP = its worker's NeuronCores, the rest from the engine."""
+    k = config.speculation.num_speculative_tokens if config.speculation.method != "none" else 0
+    n = config.neuron
+    return NeuronSpec(
+        role=role,
+        tp_degree=tp_degree,
+        batch_size=config.max_batch_size,
+        max_seq_len=config.max_seq_len,
+        max_context_length=n.max_context_length or config.max_seq_len,
+        speculation_length=k + 1 if role == "target" and k > 0 else 0,
+        dtype=config.dtype,
+        context_buckets=tuple(n.context_buckets) if n.context_buckets else None,
+        token_buckets=tuple(n.token_buckets) if n.token_buckets else None,
+        logical_nc_config=n.logical_nc_config,
+        artifacts_dir=n.artifacts_dir,
+        compile_if_missing=n.compile_if_missing,
+    )
+
+
+def runner_config(config: EngineConfig, role: Role = "target", cores: int = 1) -> RunnerConfig:
     return RunnerConfig(
         dtype=config.dtype,
         max_batch_size=config.max_batch_size,
         max_seq_len=config.max_seq_len,  # the engine caps each block to the room left
         device=config.device,
+        neuron=neuron_spec(config, role, cores) if config.backend == "neuron" else None,
     )
 
 
@@ -49,7 +71,8 @@ def eos_token_ids(model_path: Path, tokenizer: PreTrainedTokenizerBase) -> set[i
 def build_engine(config: EngineConfig) -> Engine:
     """An engine with the draft and the target in this process (CLI, benchmarks, tests)."""
     if config.backend != "torch":
-        raise ValueError(f"backend {config.backend!r} is not available in-process; use backend: torch")
+        raise ValueError(f"backend {config.backend!r} runs in Ray workers on their NeuronCore groups "
+                         "(serve run configs/trn2-*.yaml); in-process engines use backend: torch")
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     cache_dir = Path(config.cache_dir) if config.cache_dir else None

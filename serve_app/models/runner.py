@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from serve_app.models.llama import SUPPORTED_MODEL_TYPES, Batch, CausalLM, fuse_hf_state_dict
+from serve_app.models.neuron.spec import NeuronSpec
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,17 @@ class RunnerConfig:
     max_batch_size: int = 8
     max_seq_len: int = 2048  # cached tokens per sequence (the KV cache capacity)
     device: str = "cpu"
+    neuron: NeuronSpec | None = None  # set: the NxDI runner (backend: neuron) with this compiled model
+
+
+def build_runner(path: str | Path, config: RunnerConfig) -> ModelRunner:
+    """The runner for ``config``: NxDI on Trainium when it carries a NeuronSpec, else our torch one.
+    The Neuron SDK is imported only here, only then."""
+    if config.neuron is not None:
+        from serve_app.models.neuron.runner import NeuronModelRunner
+
+        return NeuronModelRunner(path, config)  # type: ignore[return-value]  # same interface
+    return ModelRunner(path, config)
 
 
 def load_causal_lm(path: Path, dtype: torch.dtype, device: str = "cpu") -> CausalLM:
@@ -131,6 +143,11 @@ class ModelRunner:
 
     # ---- forward ----------------------------------------------------------------------------
     @torch.inference_mode()
+    def prefill(self, seq_id: str, tokens: Sequence[int]) -> None:
+        """Cache a new sequence's first tokens; no logits (the lm_head is skipped)."""
+        self._hidden([seq_id], [tokens])
+
+    @torch.inference_mode()
     def forward(
         self,
         seq_ids: Sequence[str],
@@ -145,7 +162,8 @@ class ModelRunner:
         """
         hidden, lengths = self._hidden(seq_ids, tokens)
         if logits == "last":
-            hidden = hidden[torch.arange(len(seq_ids)), torch.tensor(lengths) - 1]
+            last = torch.tensor(lengths, device=hidden.device) - 1
+            hidden = hidden[torch.arange(len(seq_ids), device=hidden.device), last]
         return self.model.lm_head(hidden).float()
 
     def _hidden(self, seq_ids: Sequence[str], tokens: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:

@@ -86,3 +86,25 @@ class AppConfig(StrictModel):
     @property
     def served_model_id(self) -> str:
         return self.model_id or self.engine.model
+
+    @model_validator(mode="after")
+    def _cuda_runs_on_gpus(self) -> AppConfig:
+        on_cuda, on_gpus = self.engine.device.startswith("cuda"), self.placement.accelerator == "GPU"
+        if on_cuda and not on_gpus:
+            raise ValueError("engine.device: cuda needs placement.accelerator: GPU (Ray then gives each worker "
+                             "its own GPUs through CUDA_VISIBLE_DEVICES)")
+        if on_gpus and not on_cuda and not self.placement.fallback_to_cpu:
+            raise ValueError("placement.accelerator: GPU reserves GPUs that engine.device: cpu leaves unused; "
+                             "set engine.device: cuda")
+        return self
+
+    @model_validator(mode="after")
+    def _neuron_runs_on_neuron_cores(self) -> AppConfig:
+        if self.engine.backend == "neuron":
+            if self.placement.accelerator != "neuron_cores":
+                raise ValueError("engine.backend: neuron needs placement.accelerator: neuron_cores "
+                                 "(each worker's NeuronCore count is its model's tensor-parallel degree)")
+            if self.placement.fallback_to_cpu:
+                raise ValueError("placement.fallback_to_cpu cannot apply to engine.backend: neuron "
+                                 "(NxDI models run only on NeuronCores); set it to false")
+        return self

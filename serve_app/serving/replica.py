@@ -28,7 +28,7 @@ from serve_app.speculation.proposers.base import NoProposer, Proposer
 from serve_app.speculation.proposers.hybrid import HybridProposer
 from serve_app.speculation.proposers.ngram import NgramProposer
 from serve_app.workers.draft_worker import DraftWorker
-from serve_app.workers.placement import PlacementError, worker_resources
+from serve_app.workers.placement import worker_resources
 from serve_app.workers.remote import RemoteDraftProposer, RemoteVerifier
 
 log = logging.getLogger(__name__)
@@ -73,15 +73,14 @@ class ReplicaEngine:
 def build_replica_engine(config: AppConfig, metrics: ServingMetrics | None = None) -> ReplicaEngine:
     from serve_app.workers.target_worker import TargetWorker
 
-    if config.engine.backend != "torch":
-        raise PlacementError(
-            f"engine.backend={config.engine.backend!r}: the Neuron runner needs the Neuron SDK "
-            "(torch-neuronx, neuronx-distributed-inference) on a Trainium instance; use backend: torch here"
-        )
     engine_cfg, p = config.engine, config.placement
+    if engine_cfg.backend == "neuron":
+        from serve_app.models.neuron.sdk import NxDI
+
+        NxDI()  # the workers share this node (STRICT_PACK): fail now, with the install hint, if it lacks the SDK
     cache_dir = Path(engine_cfg.cache_dir) if engine_cfg.cache_dir else None
     target_path = resolve(engine_cfg.model, cache_dir)  # converts a GGUF once, on this node
-    rc = runner_config(engine_cfg)
+    rc = runner_config(engine_cfg, "target", p.target_cores)
     compiled = config.exchange == "compiled_graph"
 
     target = ray.remote(TargetWorker).options(**actor_options(p, p.target_cores, TARGET_BUNDLE)).remote(
@@ -102,7 +101,8 @@ def build_replica_engine(config: AppConfig, metrics: ServingMetrics | None = Non
 
         def spawn() -> Any:
             return ray.remote(DraftWorker).options(**actor_options(p, p.draft_cores, DRAFT_BUNDLE)).remote(
-                draft_path, rc, spec.draft_top_k, vocab, p.accelerator, engine_cfg.num_threads)
+                draft_path, runner_config(engine_cfg, "draft", p.draft_cores), spec.draft_top_k, vocab,
+                p.accelerator, engine_cfg.num_threads)
 
         draft = RemoteDraftProposer(spawn, compiled, on_state=metrics.on_draft_state if metrics else lambda _: None)
         workers["draft"] = ray.get(draft.actor.info.remote())

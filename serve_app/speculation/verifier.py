@@ -40,7 +40,7 @@ class TargetVerifier:
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         self.generators[seq_id] = torch.Generator().manual_seed(seed)
         if len(prompt_ids) > 1:
-            self.runner.forward([seq_id], [list(prompt_ids[:-1])])
+            self.runner.prefill(seq_id, list(prompt_ids[:-1]))
 
     def remove_sequence(self, seq_id: str) -> None:
         if seq_id in self.params:
@@ -62,11 +62,13 @@ class TargetVerifier:
         greedy = torch.tensor([self.params[s].greedy for s in seq_ids])
         if greedy.any():
             g = greedy.nonzero()[:, 0]
-            output[g], accepted[g] = greedy_verify(drafts[g], block.num_draft_tokens[g], logits[g].argmax(-1))
+            target_argmax = logits[g.to(logits.device)].argmax(-1).cpu()  # only ids leave the device
+            output[g], accepted[g] = greedy_verify(drafts[g], block.num_draft_tokens[g], target_argmax)
         if not greedy.all():
             s_rows = (~greedy).nonzero()[:, 0]
             params = [self.params[seq_ids[i]] for i in s_rows.tolist()]
-            p = probabilities(logits[s_rows], params)  # [rows, k + 1, vocab]
+            # Sampled rows bring their logits to the host, where each request's generator lives.
+            p = probabilities(logits[s_rows.to(logits.device)].cpu(), params)  # [rows, k + 1, vocab]
             q_ids, q_probs = block.q_ids, block.q_probs
             if q_ids is None or q_probs is None:  # no proposer drafted for a sampled row
                 if bool((block.num_draft_tokens[s_rows] > 0).any()):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from serve_app.models.runner import ModelRunner, RunnerConfig
+from serve_app.models.runner import RunnerConfig, build_runner
 from serve_app.speculation.compatibility import load_vocab
 from serve_app.speculation.proposers.draft_model import DraftModelProposer
 from serve_app.speculation.types import ProposalBlock, VerifyResult
@@ -23,7 +23,7 @@ class DraftWorker(WorkerBase):
     def __init__(self, model_path: str, runner_config: RunnerConfig, width: int, target_vocab: int | None,
                  accelerator: Accelerator = "CPU", num_threads: int | None = None):
         self._start(accelerator, num_threads)
-        runner = ModelRunner(model_path, runner_config)
+        runner = build_runner(model_path, runner_config)
         self.proposer = self.owner = DraftModelProposer(runner, width, target_vocab, load_vocab(Path(model_path)))
 
     def info(self) -> WorkerInfo:

@@ -5,7 +5,7 @@ Its only round method is ``verify(ProposalBlock) -> VerifyResult``; p never leav
 
 from __future__ import annotations
 
-from serve_app.models.runner import ModelRunner, RunnerConfig
+from serve_app.models.runner import RunnerConfig, build_runner
 from serve_app.speculation.types import ProposalBlock, VerifyResult
 from serve_app.speculation.verifier import TargetVerifier
 from serve_app.workers.base import WorkerBase, WorkerInfo
@@ -18,7 +18,7 @@ class TargetWorker(WorkerBase):
     def __init__(self, model_path: str, runner_config: RunnerConfig, accelerator: Accelerator = "CPU",
                  num_threads: int | None = None):
         self._start(accelerator, num_threads)
-        self.verifier = self.owner = TargetVerifier(ModelRunner(model_path, runner_config))
+        self.verifier = self.owner = TargetVerifier(build_runner(model_path, runner_config))
 
     def info(self) -> WorkerInfo:
         return self._info(self.verifier.runner.vocab_size)

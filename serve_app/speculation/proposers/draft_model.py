@@ -54,7 +54,7 @@ class DraftModelProposer:
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         self.generators[seq_id] = torch.Generator().manual_seed(seed + DRAFT_SEED_OFFSET)
         if len(prompt_ids) > 1:
-            self.runner.forward([seq_id], [self._to_draft(prompt_ids[:-1])])
+            self.runner.prefill(seq_id, self._to_draft(prompt_ids[:-1]))
 
     def remove_sequence(self, seq_id: str) -> None:
         if seq_id in self.generators:
@@ -100,13 +100,13 @@ class DraftModelProposer:
     ) -> list[tuple[int, torch.Tensor | None, torch.Tensor | None]]:
         """Per row: (token, q' support ids, q' probs); the q' entries are None for greedy rows."""
         to_target = self.to_target
-        argmax = logits.argmax(dim=-1)
+        argmax = logits.argmax(dim=-1).cpu()  # only ids leave the device
         if to_target is not None:
             argmax = to_target[argmax]
         out: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = [(int(t), None, None) for t in argmax]
         sampled = [r for r, p in enumerate(params) if not p.greedy]
         if sampled:
-            probs = probabilities(logits[sampled][:, None], [params[r] for r in sampled])[:, 0]
+            probs = probabilities(logits[sampled].cpu()[:, None], [params[r] for r in sampled])[:, 0]
             ids, q = truncate_top(probs, self.width)  # [rows, width], draft ids
             if to_target is not None:
                 ids = torch.where(ids >= 0, to_target[ids.clamp(min=0)], ids)

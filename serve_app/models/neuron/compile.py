@@ -1,0 +1,61 @@
+"""``python -m serve_app compile CONFIG``: compile a Serve config's target and draft for Neuron, once.
+
+Each model lands in ``engine.neuron.artifacts_dir/<key>`` (see ``artifacts.py``), which the workers
+of every replica with the same configuration load. Run it on a Trainium node (kuberay/compile-job.yaml
+on EKS) with the artifact volume mounted where the RayService mounts it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from serve_app.builder import parse_config
+from serve_app.engine.factory import neuron_spec
+from serve_app.models.neuron.artifacts import artifact_dir, is_complete
+from serve_app.models.neuron.runner import compile_and_load
+from serve_app.models.neuron.sdk import NxDI
+from serve_app.models.neuron.spec import NeuronSpec
+from serve_app.models.sources import resolve
+from serve_app.serving.config import AppConfig
+
+
+def load_app_config(path: Path, app_name: str | None = None) -> AppConfig:
+    """The ``args`` of a Serve config file (``applications[*]``), or a file that is just the args."""
+    doc = yaml.safe_load(path.read_text()) or {}
+    if "applications" in doc:
+        apps = [a for a in doc["applications"] if app_name in (None, a.get("name"))]
+        if len(apps) != 1:
+            names = [a.get("name") for a in doc["applications"]]
+            raise ValueError(f"{path}: pick one application with --app (found {names})")
+        doc = apps[0].get("args") or {}
+    return parse_config(doc)
+
+
+def compile_plan(app: AppConfig) -> list[tuple[Path, NeuronSpec]]:
+    """(model folder, spec) for the target and, with a draft model, the draft."""
+    if app.engine.backend != "neuron":
+        raise ValueError("compile is for engine.backend: neuron (the torch backend needs no compile step)")
+    engine, p = app.engine, app.placement
+    cache = Path(engine.cache_dir) if engine.cache_dir else None
+    plan = [(resolve(engine.model, cache), neuron_spec(engine, "target", p.target_cores))]
+    if engine.speculation.method == "draft":
+        plan.append((resolve(engine.speculation.draft, cache), neuron_spec(engine, "draft", p.draft_cores)))
+    return plan
+
+
+def compile_config(path: Path, app_name: str | None = None, say=print) -> list[Path]:
+    sdk = NxDI()  # fails first, with the install hint, where the SDK is missing
+    folders = []
+    for model_path, spec in compile_plan(load_app_config(path, app_name)):
+        folder = artifact_dir(model_path, spec)
+        if is_complete(folder):
+            say(f"{spec.role}: already compiled: {folder}")
+        else:
+            say(f"{spec.role}: compiling {model_path} (tp {spec.tp_degree}, batch {spec.batch_size}, "
+                f"seq {spec.seq_len}, speculation {spec.speculation_length}) into {folder} ...")
+            compile_and_load(model_path, spec, sdk, compile_only=True)
+            say(f"{spec.role}: compiled: {folder}")
+        folders.append(folder)
+    return folders
