@@ -15,8 +15,8 @@ import yaml
 
 from serve_app.builder import parse_config
 from serve_app.config import EngineConfig, SpeculationConfig
-from serve_app.engine.engine import Engine
-from serve_app.engine.factory import eos_token_ids, neuron_spec, runner_config
+from serve_app.engine.engine import Engine, RequestError
+from serve_app.engine.factory import eos_token_ids, neuron_spec, prefill_limit, runner_config
 from serve_app.engine.request import GenerationParams
 from serve_app.models.neuron.artifacts import artifact_key
 from serve_app.models.neuron.sdk import NeuronSDKMissing
@@ -191,7 +191,8 @@ def neuron_engine(tmp_path, target, draft, k):
         d = build_runner(draft, runner_config(cfg, "draft", 1))
         proposers["draft"] = DraftModelProposer(d, 8, target_vocab=t.vocab_size)
     return Engine(TargetVerifier(t), proposers, tok, default_method=cfg.speculation.method,
-                  default_k=k, max_seq_len=cfg.max_seq_len, eos_ids=eos_token_ids(Path(target), tok))
+                  default_k=k, max_seq_len=cfg.max_seq_len, eos_ids=eos_token_ids(Path(target), tok),
+                  max_prompt_len=prefill_limit(cfg))
 
 
 @pytest.mark.parametrize("request_k", [1, 4, 6])  # below, at and above the compiled k = 4
@@ -206,6 +207,14 @@ def test_greedy_speculation_through_the_neuron_runners_equals_plain_torch_decodi
         got = engine.generate(prompts, GenerationParams(max_tokens=24, method=method, num_speculative_tokens=request_k))
         assert [o.token_ids for o in got] == want, method
     assert {c["graph"] for c in fake_nxdi.calls} >= {"context_encoding", "speculation", "token_generation"}
+
+
+def test_prompts_longer_than_the_prefill_graph_are_refused_up_front(tmp_path, tiny_models, fake_nxdi):
+    engine = neuron_engine(tmp_path, tiny_models["qwen3"], tiny_models["qwen3_near"], k=4)  # max_context_length 64
+    with pytest.raises(RequestError, match="65 tokens the compiled prefill graph takes"):
+        engine.add_request(list(range(10, 76)), GenerationParams(max_tokens=4))
+    out = engine.generate([list(range(10, 75))], GenerationParams(max_tokens=4))[0]  # 65 tokens fit
+    assert len(out.token_ids) == 4
 
 
 def test_sampled_speculation_through_the_neuron_runners_is_reproducible(tmp_path, tiny_models, fake_nxdi):

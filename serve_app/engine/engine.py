@@ -44,6 +44,7 @@ class Engine:
         max_seq_len: int,
         eos_ids: Iterable[int],
         on_round: Callable[[VerifyResult, float], None] | None = None,
+        max_prompt_len: int | None = None,  # a compiled prefill graph's limit (Neuron); None: max_seq_len
     ):
         if default_method not in proposers:
             raise ValueError(f"default method {default_method!r} has no proposer")
@@ -53,6 +54,7 @@ class Engine:
         self.default_method = default_method
         self.default_k = default_k
         self.max_seq_len = max_seq_len
+        self.max_prompt_len = max_prompt_len
         self.eos_ids = frozenset(eos_ids)
         self.on_round = on_round  # metrics sink: (result, seconds) per round
         self.waiting: deque[Request] = deque()
@@ -71,6 +73,9 @@ class Engine:
             raise RequestError("the prompt is empty")
         if params.max_tokens < 1:
             raise RequestError("max_tokens must be at least 1")
+        if self.max_prompt_len is not None and len(prompt_ids) > self.max_prompt_len:
+            raise RequestError(f"the prompt ({len(prompt_ids)} tokens) exceeds the {self.max_prompt_len} tokens "
+                               "the compiled prefill graph takes (engine.neuron.max_context_length + 1)")
         if len(prompt_ids) + params.max_tokens > self.max_seq_len:
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "

@@ -43,6 +43,13 @@ def neuron_spec(config: EngineConfig, role: Role, tp_degree: int) -> NeuronSpec:
     )
 
 
+def prefill_limit(engine: EngineConfig) -> int | None:
+    """Longest prompt a Neuron target takes: its prefill graph caches all prompt tokens but the last."""
+    if engine.backend != "neuron":
+        return None
+    return (engine.neuron.max_context_length or engine.max_seq_len) + 1
+
+
 def runner_config(config: EngineConfig, role: Role = "target", cores: int = 1) -> RunnerConfig:
     return RunnerConfig(
         dtype=config.dtype,

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from serve_app.config import SpeculationMethod
 from serve_app.engine.engine import Engine
-from serve_app.engine.factory import eos_token_ids, runner_config
+from serve_app.engine.factory import eos_token_ids, prefill_limit, runner_config
 from serve_app.models.sources import resolve
 from serve_app.serving.config import AppConfig, PlacementConfig
 from serve_app.serving.metrics import ServingMetrics
@@ -122,6 +122,7 @@ def build_replica_engine(config: AppConfig, metrics: ServingMetrics | None = Non
         max_seq_len=engine_cfg.max_seq_len,
         eos_ids=eos_token_ids(target_path, tokenizer),
         on_round=metrics.on_round if metrics else None,
+        max_prompt_len=prefill_limit(engine_cfg),
     )
     log.info("replica ready: %s", {k: (v.pid, v.visible_cores) for k, v in workers.items()})
     return ReplicaEngine(engine, tokenizer, target, draft)
