@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from serve_app.models.llama import SUPPORTED_MODEL_TYPES, Batch, CausalLM, fuse_hf_state_dict
 from serve_app.models.neuron.spec import NeuronSpec
+from serve_app.models.slots import SequenceSlots
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def load_causal_lm(path: Path, dtype: torch.dtype, device: str = "cpu") -> Causa
     return model.to(device=device, dtype=dtype).eval()
 
 
-class ModelRunner:
+class ModelRunner(SequenceSlots):
     """Owns one model and the KV state of the sequences it serves."""
 
     def __init__(self, path: str | Path, config: RunnerConfig = RunnerConfig()):
@@ -106,40 +107,11 @@ class ModelRunner:
         self.vocab_size: int = self.hf_config.vocab_size
         self.capacity = config.max_seq_len
         self.model.setup_caches(config.max_batch_size, self.capacity, self.dtype)
-        self._free_slots = list(range(config.max_batch_size - 1, -1, -1))
-        self._slot: dict[str, int] = {}
-        self._length: dict[str, int] = {}
+        super().__init__(config.max_batch_size)
         log.info("loaded %s (%s) in %.1fs", self.path, config.dtype, time.perf_counter() - start)
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(self.path)
-
-    # ---- sequence bookkeeping -------------------------------------------------------------
-    @property
-    def free_slots(self) -> int:
-        return len(self._free_slots)
-
-    def add(self, seq_id: str) -> None:
-        if seq_id in self._slot:
-            raise KeyError(f"sequence {seq_id!r} already present")
-        if not self._free_slots:
-            raise RuntimeError("no free KV-cache slot")
-        self._slot[seq_id] = self._free_slots.pop()
-        self._length[seq_id] = 0
-
-    def release(self, seq_id: str) -> None:
-        self._free_slots.append(self._slot.pop(seq_id))
-        del self._length[seq_id]
-
-    def length(self, seq_id: str) -> int:
-        """Number of tokens whose keys and values are in the cache."""
-        return self._length[seq_id]
-
-    def truncate(self, seq_id: str, length: int) -> None:
-        """Roll a sequence back to ``length`` cached tokens (O(1))."""
-        if not 0 <= length <= self._length[seq_id]:
-            raise ValueError(f"cannot truncate {seq_id!r} from {self._length[seq_id]} to {length}")
-        self._length[seq_id] = length
 
     # ---- forward ----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -31,6 +31,7 @@ from serve_app.models.neuron.artifacts import artifact_dir, is_complete, mark_co
 from serve_app.models.neuron.sdk import NeuronModel, NxDI
 from serve_app.models.neuron.spec import NeuronSpec
 from serve_app.models.runner import ModelLoadError, RunnerConfig
+from serve_app.models.slots import SequenceSlots
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def compile_and_load(path: Path, spec: NeuronSpec, sdk: NxDI | None = None, comp
     return model, folder
 
 
-class NeuronModelRunner:
+class NeuronModelRunner(SequenceSlots):
     """One NxDI model and the lengths of the sequences in its KV lines."""
 
     def __init__(self, path: str | Path, config: RunnerConfig, sdk: NxDI | None = None):
@@ -73,37 +74,10 @@ class NeuronModelRunner:
         self.model, self.artifacts = compile_and_load(self.path, self.spec, sdk)
         self.vocab_size: int = AutoConfig.from_pretrained(self.path).vocab_size
         self.capacity = config.max_seq_len
-        self._free_slots = list(range(self.spec.batch_size - 1, -1, -1))
-        self._slot: dict[str, int] = {}
-        self._length: dict[str, int] = {}
+        super().__init__(self.spec.batch_size)
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(self.path)
-
-    # ---- sequence bookkeeping (same contract as the torch ModelRunner) -----------------------
-    @property
-    def free_slots(self) -> int:
-        return len(self._free_slots)
-
-    def add(self, seq_id: str) -> None:
-        if seq_id in self._slot:
-            raise KeyError(f"sequence {seq_id!r} already present")
-        if not self._free_slots:
-            raise RuntimeError("no free KV-cache slot")
-        self._slot[seq_id] = self._free_slots.pop()
-        self._length[seq_id] = 0
-
-    def release(self, seq_id: str) -> None:
-        self._free_slots.append(self._slot.pop(seq_id))
-        del self._length[seq_id]
-
-    def length(self, seq_id: str) -> int:
-        return self._length[seq_id]
-
-    def truncate(self, seq_id: str, length: int) -> None:
-        if not 0 <= length <= self._length[seq_id]:
-            raise ValueError(f"cannot truncate {seq_id!r} from {self._length[seq_id]} to {length}")
-        self._length[seq_id] = length
 
     # ---- forward -------------------------------------------------------------------------------
     def prefill(self, seq_id: str, tokens: Sequence[int]) -> None:
