@@ -73,11 +73,12 @@ class NeuronSettings(StrictModel):
         None, ge=2, description="Longest prompt the prefill graph takes (default: max_seq_len)."
     )
     context_buckets: list[int] | None = Field(
-        None, description="Prefill length buckets (default: powers of two from 128 to max_context_length)."
+        None, description="Prefill length buckets (default: powers of two from 128); max_context_length "
+        "is always the last.",
     )
     token_buckets: list[int] | None = Field(
-        None, description="KV-length buckets of the decode graphs (default: powers of two from 128 to the "
-        "sequence length)."
+        None, description="KV-length buckets of the decode graphs (default: powers of two from 128); each "
+        "model's compiled sequence length is always the last.",
     )
     logical_nc_config: Literal[1, 2] = Field(
         2, description="Physical cores per logical NeuronCore (trn2 default 2); must match "
@@ -128,11 +129,20 @@ class EngineConfig(StrictModel):
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
     neuron: NeuronSettings = Field(default_factory=NeuronSettings, description="Neuron backend settings.")
 
+    @property
+    def neuron_context_length(self) -> int:
+        """Longest prompt prefix a Neuron prefill graph takes."""
+        return self.neuron.max_context_length or self.max_seq_len
+
     @model_validator(mode="after")
     def _neuron_lengths(self) -> EngineConfig:
         ctx = self.neuron.max_context_length
         if ctx is not None and ctx > self.max_seq_len:
             raise ValueError(f"neuron.max_context_length ({ctx}) must be <= max_seq_len ({self.max_seq_len})")
+        for name, longest in (("context_buckets", self.neuron_context_length), ("token_buckets", self.max_seq_len)):
+            buckets = getattr(self.neuron, name)
+            if buckets and buckets[-1] > longest:
+                raise ValueError(f"neuron.{name}: {buckets[-1]} exceeds {longest}; lower it or raise max_seq_len")
         if self.backend == "neuron" and self.device != "cpu":
             raise ValueError("device applies to backend: torch; the Neuron backend places models on "
                              "NeuronCores through placement.accelerator: neuron_cores")

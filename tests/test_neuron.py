@@ -87,8 +87,17 @@ def test_neuron_settings_mistakes_fail_at_startup_naming_the_key():
         parse_config({**args, "engine": {**args["engine"], "neuron": {"context_buckets": [512, 128]}}})
     with pytest.raises(Exception, match="max_context_length"):
         parse_config({**args, "engine": {**args["engine"], "neuron": {"max_context_length": 4096}}})
-    with pytest.raises(ValueError, match="token_buckets"):
-        NeuronSpec("draft", 1, 1, 128, 128, 0, token_buckets=(64, 256))
+    with pytest.raises(Exception, match="token_buckets"):
+        parse_config({**args, "engine": {**args["engine"], "neuron": {"token_buckets": [512, 4096]}}})
+
+
+def test_configured_buckets_are_topped_by_each_models_own_length(tmp_path, tiny_models):
+    cfg = neuron_engine_config(tmp_path, tiny_models["llama"], draft="ngram", k=4, token_buckets=[32, 64, 96],
+                               context_buckets=[16, 32])
+    target, draft = neuron_spec(cfg, "target", 2), neuron_spec(cfg, "draft", 1)
+    assert target.neuron_config_kwargs()["token_generation_buckets"] == [32, 64, 96, 101]  # 96 + k + 1
+    assert draft.neuron_config_kwargs()["token_generation_buckets"] == [32, 64, 96]
+    assert target.neuron_config_kwargs()["context_encoding_buckets"] == [16, 32, 64]
 
 
 # ---- artifact keys ------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ def neuron_spec(config: EngineConfig, role: Role, tp_degree: int) -> NeuronSpec:
         tp_degree=tp_degree,
         batch_size=config.max_batch_size,
         max_seq_len=config.max_seq_len,
-        max_context_length=n.max_context_length or config.max_seq_len,
+        max_context_length=config.neuron_context_length,
         speculation_length=k + 1 if role == "target" and k > 0 else 0,
         dtype=config.dtype,
         context_buckets=tuple(n.context_buckets) if n.context_buckets else None,
@@ -47,7 +47,7 @@ def prefill_limit(engine: EngineConfig) -> int | None:
     """Longest prompt a Neuron target takes: its prefill graph caches all prompt tokens but the last."""
     if engine.backend != "neuron":
         return None
-    return (engine.neuron.max_context_length or engine.max_seq_len) + 1
+    return engine.neuron_context_length + 1
 
 
 def runner_config(config: EngineConfig, role: Role = "target", cores: int = 1) -> RunnerConfig:

@@ -42,14 +42,15 @@ def compile_and_load(path: Path, spec: NeuronSpec, sdk: NxDI | None = None, comp
     sdk = sdk or NxDI()
     versions = sdk_versions()
     folder = artifact_dir(path, spec, versions)
+    complete = is_complete(folder)
+    if not (complete or compile_only or spec.compile_if_missing):
+        raise ModelLoadError(
+            f"no compiled {spec.role} artifacts at {folder}: run `python -m serve_app compile CONFIG` "
+            "(kuberay/compile-job.yaml on EKS) with this configuration first, or set "
+            "engine.neuron.compile_if_missing: true"
+        )
     model = sdk.build(path, AutoConfig.from_pretrained(path).model_type, spec)
-    if not is_complete(folder):
-        if not (compile_only or spec.compile_if_missing):
-            raise ModelLoadError(
-                f"no compiled {spec.role} artifacts at {folder}: run `python -m serve_app compile CONFIG` "
-                "(kuberay/compile-job.yaml on EKS) with this configuration first, or set "
-                "engine.neuron.compile_if_missing: true"
-            )
+    if not complete:
         start = time.perf_counter()
         folder.mkdir(parents=True, exist_ok=True)
         model.compile(str(folder))

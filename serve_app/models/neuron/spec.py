@@ -12,6 +12,15 @@ from typing import Any, Literal
 Role = Literal["target", "draft"]
 
 
+def buckets_up_to(longest: int, chosen: tuple[int, ...] | None) -> list[int]:
+    """The configured buckets below ``longest`` (default: powers of two), then ``longest`` itself, so
+    every length the model may see has a graph (target and draft share the configured list but not
+    their compiled lengths)."""
+    if chosen is None:
+        return default_buckets(longest)
+    return [b for b in chosen if b < longest] + [longest]
+
+
 def default_buckets(longest: int, shortest: int = 128) -> list[int]:
     """Powers of two from ``shortest``, then ``longest``; a power within a quarter of ``longest`` is
     dropped (2048 + k + 1 positions get buckets ..., 1024, 2056, not a near-duplicate 2048 graph)."""
@@ -48,12 +57,6 @@ class NeuronSpec:
     def __post_init__(self) -> None:
         if self.role == "draft" and self.speculation_length != 0:
             raise ValueError("the Neuron draft is compiled for token generation (speculation_length 0)")
-        if self.max_context_length > self.max_seq_len:
-            raise ValueError(f"max_context_length {self.max_context_length} > max_seq_len {self.max_seq_len}")
-        for name, longest in (("context_buckets", self.max_context_length), ("token_buckets", self.seq_len)):
-            buckets = getattr(self, name)
-            if buckets and buckets[-1] > longest:
-                raise ValueError(f"neuron.{name}: {buckets[-1]} exceeds {longest}; lower it or raise max_seq_len")
 
     @property
     def seq_len(self) -> int:
@@ -86,8 +89,8 @@ class NeuronSpec:
             "seq_len": self.seq_len,
             "max_context_length": self.max_context_length,
             "enable_bucketing": True,
-            "context_encoding_buckets": list(self.context_buckets or default_buckets(self.max_context_length)),
-            "token_generation_buckets": list(self.token_buckets or default_buckets(self.seq_len)),
+            "context_encoding_buckets": buckets_up_to(self.max_context_length, self.context_buckets),
+            "token_generation_buckets": buckets_up_to(self.seq_len, self.token_buckets),
             # Non-fused speculation: the target scores a whole block per forward; the draft runs in
             # its own actor on its own cores, so NxDI's fused draft+target graph is not used.
             "speculation_length": self.speculation_length,
