@@ -27,6 +27,7 @@ from serve_app.config import EngineConfig, SpeculationConfig  # noqa: E402
 from serve_app.engine.factory import build_engine  # noqa: E402
 from serve_app.engine.request import GenerationParams  # noqa: E402
 from serve_app.engine.stats import SpecStats  # noqa: E402
+from serve_app.models.eagle import EagleHead  # noqa: E402
 from serve_app.models.runner import ModelRunner, RunnerConfig  # noqa: E402
 from serve_app.speculation.proposers.hybrid import HybridProposer  # noqa: E402
 from serve_app.speculation.proposers.ngram import NgramProposer  # noqa: E402
@@ -35,12 +36,17 @@ from serve_app.speculation.types import SamplingParams  # noqa: E402
 
 def step_ms(path: Path, dtype: str) -> float:
     runner = ModelRunner(path, RunnerConfig(dtype=dtype, max_batch_size=1, max_seq_len=512))
+    eagle = isinstance(runner.model, EagleHead)  # it reads a target feature with every token
+
+    def features(n: int) -> torch.Tensor | None:
+        return torch.randn(1, n, runner.model.feature_size) if eagle else None
+
     runner.add("s")
-    runner.forward(["s"], [list(range(256))])
-    times = []
+    runner.forward(["s"], [list(range(256))], features=features(256))
+    times, one = [], features(1)
     for _ in range(30):
         start = time.perf_counter()
-        runner.forward(["s"], [[5]])
+        runner.forward(["s"], [[5]], features=one)
         times.append(time.perf_counter() - start)
         runner.truncate("s", 256)
     return statistics.median(times) * 1e3

@@ -101,6 +101,9 @@ def _distill_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default=DEFAULT_MODEL, help="target model source")
     p.add_argument("--out", required=True, help="work folder; the draft lands in OUT/draft")
     p.add_argument("--minutes", type=float, default=60.0, help="training time budget")
+    p.add_argument("--max-steps", type=int, default=None, help="also stop after N steps (schedule by steps)")
+    p.add_argument("--arch", choices=["eagle", "decoder"], default="eagle",
+                   help="eagle: a one-layer head on the target's hidden states; decoder: a standalone small decoder")
     p.add_argument("--vocab-size", type=int, default=8192, help="draft output vocabulary (most frequent tokens)")
     p.add_argument("--max-prompts", type=int, default=None, help="cap on training prompts")
     p.add_argument("--samples-per-prompt", type=int, default=2, help="1 greedy + N-1 sampled responses")
@@ -124,7 +127,8 @@ def distill(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     run(DistillConfig(
-        target=args.target, out=Path(args.out), minutes=args.minutes, vocab_size=args.vocab_size,
+        target=args.target, out=Path(args.out), minutes=args.minutes, max_steps=args.max_steps, arch=args.arch,
+        vocab_size=args.vocab_size,
         max_prompts=args.max_prompts, samples_per_prompt=args.samples_per_prompt, synth_prompts=args.synth_prompts,
         gen_batch=args.gen_batch,
         max_new_tokens=args.max_new_tokens, text_docs=args.text_docs, batch_size=args.batch_size, lr=args.lr,

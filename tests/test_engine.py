@@ -120,12 +120,15 @@ def test_seeded_sampling_is_reproducible(tiny_models):
     assert c.token_ids != a.token_ids
 
 
-@pytest.mark.parametrize("target, draft", [("qwen3", "qwen3_near"), ("llama", "llama_reduced")])
-def test_sampled_speculation_follows_the_target_distribution(tiny_models, target, draft):
+@pytest.mark.parametrize("target, draft_name",
+                         [("qwen3", "qwen3_near"), ("llama", "llama_reduced"), ("llama", "eagle")])
+def test_sampled_speculation_follows_the_target_distribution(request, tiny_models, target, draft_name):
     """Chi-square (ALPHA = 0.001) on the 2nd generated token, whose exact marginal we compute with
     transformers: P(x2) = sum_x1 p(x1) p(x2 | x1), with temperature 1 and top_k = 3. Drafts: a noisy
-    copy of the target, and a reduced-vocabulary draft (zero q outside 200 of 320 tokens)."""
-    target, draft = tiny_models[target], tiny_models[draft]
+    copy of the target, a reduced-vocabulary draft (zero q outside 200 of 320 tokens), and an EAGLE
+    head (reduced vocabulary too; its q comes from the target's features)."""
+    target = tiny_models[target]
+    draft = request.getfixturevalue("tiny_eagle") / "draft" if draft_name == "eagle" else tiny_models[draft_name]
     engine = engine_for(target, draft=draft, k=3, batch=64)
     ids = engine.tokenizer.encode(PROMPTS[1])
     sampling = dict(temperature=1.0, top_k=3)
@@ -155,7 +158,9 @@ def test_sampled_speculation_follows_the_target_distribution(tiny_models, target
     expected = (m / m.sum() * sum(observed)).tolist()
     assert chisquare(observed, expected).pvalue > 1e-3
     stats = engine.stats  # the draft really took part, and was sometimes rejected
-    assert 0.05 < stats.acceptance_rate < 0.95, stats
+    # The tiny EAGLE head trained for seconds on chat data, and this prompt is raw text: it is accepted
+    # about 4 % of the time here (some 180 drafts); the other drafts about 10 to 60 %.
+    assert (0.02 if draft_name == "eagle" else 0.05) < stats.acceptance_rate < 0.95, stats
 
 
 def test_bad_requests_are_refused(tiny_models):

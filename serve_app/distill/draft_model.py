@@ -5,9 +5,10 @@ with 2 layers initialised from the target's first and last layers, the target's 
 *reduced vocabulary*: the N token ids most frequent in the target's own outputs (plus every special
 token). Its embedding (tied, as in SmolLM2) holds only those N rows (+1 row for "any other token" on
 the input side), taken from the target's, so the output layer costs N/V of the target's and the draft ships
-in tens of MB. It keeps the wire tokens-only (an EAGLE head would need the target's hidden states
-in every verify result). The draft gives zero probability outside its vocabulary; speculative
-sampling stays exact because q is what the draft really sampled from.
+in tens of MB. It keeps the wire tokens-only, and runs where the target cannot ship its hidden
+states (the Neuron backend); elsewhere the EAGLE head (``eagle.py``) accepts far more. The draft
+gives zero probability outside its vocabulary; speculative sampling stays exact because q is what
+the draft really sampled from.
 
 On disk it is an ordinary Hugging Face Llama folder (our runner and transformers load it) with the
 target's tokenizer and ``draft_vocab.json``: ``{"target_ids": [...]}``, draft id i <-> target id

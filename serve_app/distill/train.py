@@ -6,8 +6,11 @@ Phases, each saved in ``--out`` so an interrupted run resumes where it stopped:
    (topics and instructions never trained on) for evaluation; stdlib docstrings as plain text.
 2. teacher.pt: the target teacher-forced over every sequence in batches; per position the top-K of
    its distribution, mapped into the draft's reduced vocabulary (chosen from token frequencies).
-3. checkpoint.pt + draft/: the draft (``draft_model.py``) trained on soft cross-entropy to those
-   distributions; progress shows tokens, loss, held-out agreement and time left.
+3. features.pt (``--arch eagle`` only): the target's final-norm hidden state at every position.
+4. checkpoint.pt + draft/: the draft trained on soft cross-entropy to those distributions: a small
+   decoder (``draft_model.py``, ``--arch decoder``) or an EAGLE head reading the target's features
+   (``eagle.py``, ``--arch eagle``, plus a smooth-L1 loss on the predicted feature); progress shows
+   tokens, loss, held-out agreement and time left.
 
 Held-out agreement a = P(draft argmax == target's greedy token); the expected tokens per target pass
 at k = 4 is then about 1 + a + a^2 + a^3 + a^4 (Leviathan et al. 2023, with a constant a).
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 
 from serve_app.config import EngineConfig, SpeculationConfig
 from serve_app.distill.draft_model import coverage, init_draft, save_draft, select_vocab
+from serve_app.distill.eagle import init_eagle, save_eagle
 from serve_app.distill.prompts import chat_prompts, stdlib_text, usable_prompts, user_turn_prefix
 from serve_app.engine.request import GenerationParams
 from serve_app.models.runner import ModelRunner, RunnerConfig
@@ -42,6 +46,8 @@ class DistillConfig:
     target: str
     out: Path
     minutes: float = 60.0  # training time
+    max_steps: int | None = None  # set: stop after this many steps and schedule by steps (reproducible runs)
+    arch: str = "decoder"  # "decoder": a small reduced-vocabulary decoder; "eagle": a head on target features
     vocab_size: int = 8192
     max_prompts: int | None = None
     samples_per_prompt: int = 2  # one greedy response + sampled ones
@@ -54,6 +60,8 @@ class DistillConfig:
     lr: float = 1e-3
     gen_batch: int = 32
     eval_every: int = 200
+    feature_noise: float = 0.2  # EAGLE: uniform noise of this width on input features
+    feature_loss: float = 1.0  # EAGLE: weight of the smooth-L1 feature loss (cross-entropy has 1)
     seed: int = 0
 
 
@@ -168,6 +176,30 @@ def teacher(cfg: DistillConfig, target_path: Path, data: dict, vocab: list[int])
     return result
 
 
+@torch.inference_mode()
+def target_features(target_path: Path, teach: dict) -> dict:
+    """Per item, the target's final-norm hidden states over ``ids[:-1]`` (bf16, as it serves)."""
+    runner = ModelRunner(target_path, RunnerConfig(dtype="bfloat16", max_batch_size=8, max_seq_len=1024))
+    result = {}
+    for split in ("train", "heldout"):
+        items, feats, start, tokens = teach[split], [], time.perf_counter(), 0
+        for lo in range(0, len(items), 8):
+            batch = items[lo: lo + 8]
+            ids = [f"f{lo + i}" for i in range(len(batch))]
+            for s in ids:
+                runner.add(s)
+            hidden, lengths = runner._hidden(ids, [it["ids"][:-1].tolist() for it in batch])
+            for s in ids:
+                runner.release(s)
+            feats += [hidden[i, :n].clone() for i, n in enumerate(lengths)]
+            tokens += sum(lengths)
+            if (lo // 8) % 100 == 0:
+                say(f"[features] {split}: {lo + len(batch)}/{len(items)} sequences, "
+                    f"{tokens / (time.perf_counter() - start):.0f} tok/s")
+        result[split] = feats
+    return result
+
+
 # ---- phase 3: train -------------------------------------------------------------------------------
 def padded_inputs(items, to_draft: torch.Tensor, n_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft-vocabulary inputs [b, T] (every token but the last) and their attention mask."""
@@ -180,25 +212,49 @@ def padded_inputs(items, to_draft: torch.Tensor, n_vocab: int) -> tuple[torch.Te
     return inputs, mask
 
 
-def batch_loss(draft, items, to_draft: torch.Tensor, n_vocab: int) -> torch.Tensor:
+def padded_features(feats: list[torch.Tensor], T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE inputs (the feature before each position, zeros at 0) and targets (each position's own)."""
+    hidden = feats[0].shape[-1]
+    inputs, targets = torch.zeros(len(feats), T, hidden), torch.zeros(len(feats), T, hidden)
+    for i, f in enumerate(feats):
+        targets[i, : len(f)] = f.float()
+        inputs[i, 1: len(f)] = f[:-1].float()
+    return inputs, targets
+
+
+def draft_outputs(draft, items, feats, to_draft: torch.Tensor, n_vocab: int, noise: float = 0.0
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits over the draft vocabulary [b, T, N], the EAGLE feature loss or None)."""
     inputs, mask = padded_inputs(items, to_draft, n_vocab)
-    logits = draft(input_ids=inputs, attention_mask=mask).logits[..., :n_vocab]  # [b, T, N]
+    if feats is None:
+        return draft(input_ids=inputs, attention_mask=mask).logits[..., :n_vocab], None
+    f_in, f_target = padded_features(feats, inputs.shape[1])
+    if noise:
+        f_in = f_in + (torch.rand_like(f_in) - 0.5) * noise
+    hidden, logits = draft(inputs, f_in, mask)
+    per_position = F.smooth_l1_loss(hidden.float(), f_target, reduction="none").mean(-1)
+    return logits[..., :n_vocab], (per_position * mask).sum() / mask.sum()
+
+
+def batch_loss(draft, items, feats, to_draft: torch.Tensor, n_vocab: int, cfg: DistillConfig) -> torch.Tensor:
+    logits, feature_loss = draft_outputs(draft, items, feats, to_draft, n_vocab, cfg.feature_noise)
     logp = F.log_softmax(logits.float(), dim=-1)
     losses = []
     for i, it in enumerate(items):
         n = len(it["ids"]) - 1
         rows = logp[i, it["first"]: n]  # [positions, N]
         losses.append(-(rows.gather(-1, it["q_ids"].long()) * it["q_probs"].float()).sum(-1))
-    return torch.cat(losses).mean()
+    loss = torch.cat(losses).mean()
+    return loss if feature_loss is None else loss + cfg.feature_loss * feature_loss
 
 
 @torch.inference_mode()
-def heldout_agreement(draft, items, to_draft: torch.Tensor, to_target: torch.Tensor, n_vocab: int) -> float:
+def heldout_agreement(draft, items, feats, to_draft: torch.Tensor, to_target: torch.Tensor, n_vocab: int) -> float:
     hits = total = 0
     for lo in range(0, len(items), 16):
         chunk = items[lo: lo + 16]
-        inputs, mask = padded_inputs(chunk, to_draft, n_vocab)
-        pred = draft(input_ids=inputs, attention_mask=mask).logits[..., :n_vocab].argmax(-1)
+        pred = draft_outputs(draft, chunk, None if feats is None else feats[lo: lo + 16], to_draft, n_vocab)[0]
+        pred = pred.argmax(-1)
         for i, it in enumerate(chunk):
             n = len(it["ids"]) - 1
             guess = to_target[pred[i, it["first"]: n]]
@@ -211,10 +267,11 @@ def expected_length(agreement: float, k: int = 4) -> float:
     return sum(agreement ** j for j in range(k + 1))
 
 
-def train(cfg: DistillConfig, target_path: Path, teach: dict, vocab: list[int]) -> None:
+def train(cfg: DistillConfig, target_path: Path, teach: dict, vocab: list[int], feats: dict | None = None) -> None:
     torch.manual_seed(cfg.seed)
     ckpt = cfg.out / "checkpoint.pt"
-    draft = init_draft(target_path, vocab)
+    draft = init_eagle(target_path, vocab) if cfg.arch == "eagle" else init_draft(target_path, vocab)
+    save = save_eagle if cfg.arch == "eagle" else save_draft
     n_vocab = len(vocab)
     from transformers import AutoConfig
 
@@ -230,25 +287,31 @@ def train(cfg: DistillConfig, target_path: Path, teach: dict, vocab: list[int]) 
         state = saved["state"]
         say(f"[train] resumed at step {state['step']} ({state['seconds'] / 60:.1f} min trained)")
     budget = cfg.minutes * 60
-    train_items = teach["train"]
+    train_items = list(range(len(teach["train"])))
     rng = random.Random(cfg.seed + state["step"])
     start = time.perf_counter() - state["seconds"]
     draft.train()
-    while time.perf_counter() - start < budget:
-        items = rng.sample(train_items, min(cfg.batch_size, len(train_items)))
-        frac = (time.perf_counter() - start) / budget
-        for group in opt.param_groups:  # warm-up then cosine decay over the time budget
+    def done() -> bool:
+        return time.perf_counter() - start >= budget or (cfg.max_steps is not None and state["step"] >= cfg.max_steps)
+
+    while not done():
+        picked = rng.sample(train_items, min(cfg.batch_size, len(train_items)))
+        items = [teach["train"][i] for i in picked]
+        batch_feats = None if feats is None else [feats["train"][i] for i in picked]
+        frac = state["step"] / cfg.max_steps if cfg.max_steps else (time.perf_counter() - start) / budget
+        for group in opt.param_groups:  # warm-up then cosine decay over the budget
             group["lr"] = cfg.lr * min(1.0, (state["step"] + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(frac, 1)))
-        loss = batch_loss(draft, items, to_draft, n_vocab)
+        loss = batch_loss(draft, items, batch_feats, to_draft, n_vocab, cfg)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
         state["step"] += 1
         state["tokens"] += sum(len(it["ids"]) - 1 - it["first"] for it in items)
-        if state["step"] % cfg.eval_every == 0 or time.perf_counter() - start >= budget:
+        if state["step"] % cfg.eval_every == 0 or done():
             draft.eval()
-            agree = heldout_agreement(draft, teach["heldout"], to_draft, to_target, n_vocab)
+            agree = heldout_agreement(draft, teach["heldout"], None if feats is None else feats["heldout"],
+                                      to_draft, to_target, n_vocab)
             draft.train()
             state["seconds"] = time.perf_counter() - start
             left = max(budget - state["seconds"], 0)
@@ -258,7 +321,7 @@ def train(cfg: DistillConfig, target_path: Path, teach: dict, vocab: list[int]) 
                 f.write(json.dumps({**state, "loss": loss.item(), "heldout_agreement": agree}) + "\n")
             if agree >= state["best"]:
                 state["best"] = agree
-                save_draft(draft, vocab, target_path, cfg.out / "draft")
+                save(draft, vocab, target_path, cfg.out / "draft")
             torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt)
 
 
@@ -286,6 +349,15 @@ def distill(cfg: DistillConfig) -> Path:
     else:
         teach = teacher(cfg, target_path, data, vocab)
         torch.save(teach, teacher_file)
-    train(cfg, target_path, teach, vocab)
+    feats = None
+    if cfg.arch == "eagle":
+        features_file = cfg.out / "features.pt"
+        if features_file.is_file():
+            feats = torch.load(features_file, weights_only=False)
+            say(f"[features] reusing {features_file}")
+        else:
+            feats = target_features(target_path, teach)
+            torch.save(feats, features_file)
+    train(cfg, target_path, teach, vocab, feats)
     say(f"[done] draft written to {cfg.out / 'draft'}")
     return cfg.out / "draft"

@@ -151,8 +151,8 @@ class Engine:
         while self.waiting and self.verifier.free_slots > 0:
             req = self.waiting.popleft()
             params = req.params.sampling
-            self.verifier.add_sequence(req.request_id, req.prompt_ids, params)
-            self.proposers[req.method].add_sequence(req.request_id, req.prompt_ids, params)
+            features = self.verifier.add_sequence(req.request_id, req.prompt_ids, params)  # None unless EAGLE
+            self.proposers[req.method].add_sequence(req.request_id, req.prompt_ids, params, features)
             if len(req.prompt_ids) > 1:
                 req.stats.target_forward_passes += 1  # the prefill
             self.running[req.request_id] = req

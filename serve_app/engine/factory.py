@@ -10,12 +10,14 @@ from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
 
 from serve_app.config import EngineConfig, SpeculationMethod
 from serve_app.engine.engine import Engine
+from serve_app.models.eagle import is_eagle_folder
 from serve_app.models.neuron.spec import NeuronSpec, Role
 from serve_app.models.runner import ModelRunner, RunnerConfig
 from serve_app.models.sources import resolve
 from serve_app.speculation.compatibility import check_draft, load_vocab
 from serve_app.speculation.proposers.base import NoProposer, Proposer
 from serve_app.speculation.proposers.draft_model import DraftModelProposer
+from serve_app.speculation.proposers.eagle import EagleProposer
 from serve_app.speculation.proposers.hybrid import HybridProposer
 from serve_app.speculation.proposers.ngram import NgramProposer
 from serve_app.speculation.verifier import TargetVerifier
@@ -60,6 +62,23 @@ def runner_config(config: EngineConfig, role: Role = "target", cores: int = 1) -
     )
 
 
+def reads_features(config: EngineConfig, draft_path: Path) -> bool:
+    """Whether the target must ship its hidden states: the draft is an EAGLE head (torch targets only)."""
+    if not is_eagle_folder(draft_path):
+        return False
+    if config.backend == "neuron":
+        raise ValueError(f"speculation.draft: {draft_path} is an EAGLE head, which reads the target's hidden "
+                         "states; the Neuron target returns logits only. Use a standalone draft model "
+                         "(python -m serve_app distill --arch decoder) or engine.backend: torch")
+    return True
+
+
+def draft_proposer(runner: ModelRunner, path: Path, width: int, target_vocab: int) -> DraftModelProposer:
+    """The proposer for a draft model folder: an EAGLE head or a standalone decoder."""
+    kind = EagleProposer if is_eagle_folder(path) else DraftModelProposer
+    return kind(runner, width, target_vocab=target_vocab, vocab_map=load_vocab(path))
+
+
 def eos_token_ids(model_path: Path, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """Every id that ends generation: config, generation config and tokenizer may each name some."""
     ids: set[int] = set()
@@ -90,17 +109,18 @@ def build_engine(config: EngineConfig) -> Engine:
         "none": NoProposer(),
         "ngram": NgramProposer(spec.ngram_min, spec.ngram_max),
     }
+    features = False
     if spec.method == "draft":
         draft_path = resolve(spec.draft, cache_dir)
         check_draft(target.path, draft_path)
+        features = reads_features(config, draft_path)
         draft = ModelRunner(draft_path, runner_config(config))
-        proposers["draft"] = DraftModelProposer(draft, spec.draft_top_k, target_vocab=target.vocab_size,
-                                                vocab_map=load_vocab(draft_path))
+        proposers["draft"] = draft_proposer(draft, draft_path, spec.draft_top_k, target.vocab_size)
         if spec.ngram_first:
             proposers["draft"] = HybridProposer(NgramProposer(spec.ngram_min, spec.ngram_max),
                                                 proposers["draft"], spec.ngram_match)
     return Engine(
-        TargetVerifier(target),
+        TargetVerifier(target, features),
         proposers,
         tokenizer,
         default_method=spec.method,

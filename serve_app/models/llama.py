@@ -214,9 +214,14 @@ class CausalLM(nn.Module):
         cos, sin = rope(torch.zeros(1, dtype=torch.float32, device=device), positions)
         self.cos, self.sin = cos[0].to(dtype), sin[0].to(dtype)  # [capacity + 1, head_dim]
 
-    def hidden_states(self, batch: Batch) -> torch.Tensor:
-        """Final-norm hidden states ``[batch, T, hidden]``; writes the batch's keys and values."""
-        x = self.model.embed_tokens(batch.tokens)
+    def hidden_states(self, batch: Batch, features: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-norm hidden states ``[batch, T, hidden]``; writes the batch's keys and values.
+        ``features`` is for heads that read another model's hidden states (``eagle.py``)."""
+        if features is not None:
+            raise ValueError(f"{type(self).__name__} takes no features")
+        return self.run_layers(self.model.embed_tokens(batch.tokens), batch)
+
+    def run_layers(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         cos = self.cos[batch.positions][:, :, None]  # [batch, T, 1, head_dim]
         sin = self.sin[batch.positions][:, :, None]
         for layer, cache in zip(self.model.layers, self.caches, strict=True):

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from serve_app.models.eagle import EagleHead, is_eagle
 from serve_app.models.llama import SUPPORTED_MODEL_TYPES, Batch, CausalLM, fuse_hf_state_dict
 from serve_app.models.neuron.spec import NeuronSpec
 from serve_app.models.slots import SequenceSlots
@@ -71,7 +72,7 @@ def load_causal_lm(path: Path, dtype: torch.dtype, device: str = "cpu") -> Causa
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weights found")
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = EagleHead(config) if is_eagle(config) else CausalLM(config)
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:
@@ -115,9 +116,11 @@ class ModelRunner(SequenceSlots):
 
     # ---- forward ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, seq_id: str, tokens: Sequence[int]) -> None:
-        """Cache a new sequence's first tokens; no logits (the lm_head is skipped)."""
-        self._hidden([seq_id], [tokens])
+    def prefill(self, seq_id: str, tokens: Sequence[int], features: torch.Tensor | None = None) -> torch.Tensor:
+        """Cache a new sequence's first tokens; return their final-norm hidden states ``[T, hidden]``
+        (the lm_head is skipped). ``features`` ``[T, f]``: what an EAGLE head reads with the tokens."""
+        hidden, _ = self._hidden([seq_id], [tokens], None if features is None else features[None])
+        return hidden[0]
 
     @torch.inference_mode()
     def forward(
@@ -125,22 +128,35 @@ class ModelRunner(SequenceSlots):
         seq_ids: Sequence[str],
         tokens: Sequence[Sequence[int]],
         logits: Literal["last", "all"] = "last",
+        features: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Append ``tokens[i]`` to sequence ``seq_ids[i]`` and return float32 logits.
 
         ``logits="last"``: ``[batch, vocab]`` after each sequence's last new token.
         ``logits="all"``: ``[batch, T, vocab]`` for every new token; rows past a sequence's own
-        token count are padding.
+        token count are padding. ``features`` ``[batch, T, f]``: an EAGLE head's second input.
         """
-        hidden, lengths = self._hidden(seq_ids, tokens)
+        return self.forward_hidden(seq_ids, tokens, logits, features)[0]
+
+    @torch.inference_mode()
+    def forward_hidden(
+        self,
+        seq_ids: Sequence[str],
+        tokens: Sequence[Sequence[int]],
+        logits: Literal["last", "all"] = "last",
+        features: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s logits and the final-norm hidden states they came from (same rows)."""
+        hidden, lengths = self._hidden(seq_ids, tokens, features)
         if logits == "last":
             last = torch.tensor(lengths, device=hidden.device) - 1
             hidden = hidden[torch.arange(len(seq_ids), device=hidden.device), last]
-        return self.model.lm_head(hidden).float()
+        return self.model.lm_head(hidden).float(), hidden
 
-    def _hidden(self, seq_ids: Sequence[str], tokens: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
+    def _hidden(self, seq_ids: Sequence[str], tokens: Sequence[Sequence[int]],
+                features: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
         batch, lengths = self._make_batch(seq_ids, tokens)
-        hidden = self.model.hidden_states(batch)
+        hidden = self.model.hidden_states(batch, features)
         for seq_id, n in zip(seq_ids, lengths, strict=True):
             self._length[seq_id] += n
         return hidden, lengths

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from serve_app.config import SpeculationMethod
 from serve_app.engine.engine import Engine
-from serve_app.engine.factory import eos_token_ids, prefill_limit, runner_config
+from serve_app.engine.factory import eos_token_ids, prefill_limit, reads_features, runner_config
 from serve_app.models.sources import resolve
 from serve_app.serving.config import AppConfig, PlacementConfig
 from serve_app.serving.metrics import ServingMetrics
@@ -82,26 +82,28 @@ def build_replica_engine(config: AppConfig, metrics: ServingMetrics | None = Non
     target_path = resolve(engine_cfg.model, cache_dir)  # converts a GGUF once, on this node
     rc = runner_config(engine_cfg, "target", p.target_cores)
     compiled = config.exchange == "compiled_graph"
+    spec = engine_cfg.speculation
+    draft_path = resolve(spec.draft, cache_dir) if spec.method == "draft" else None
+    if draft_path is not None:
+        check_draft(target_path, draft_path)  # fails at startup, naming what differs
+    features = draft_path is not None and reads_features(engine_cfg, draft_path)
 
     target = ray.remote(TargetWorker).options(**actor_options(p, p.target_cores, TARGET_BUNDLE)).remote(
-        str(target_path), rc, p.accelerator, engine_cfg.num_threads)
+        str(target_path), rc, p.accelerator, engine_cfg.num_threads, features)
     workers = {"target": ray.get(target.info.remote())}  # waits for the model to load; raises its error
     tokenizer = AutoTokenizer.from_pretrained(target_path)
 
-    spec = engine_cfg.speculation
     proposers: dict[SpeculationMethod, Proposer] = {
         "none": NoProposer(),
         "ngram": NgramProposer(spec.ngram_min, spec.ngram_max),
     }
     draft: RemoteDraftProposer | None = None
-    if spec.method == "draft":
-        draft_path = str(resolve(spec.draft, cache_dir))
-        check_draft(target_path, Path(draft_path))  # fails at startup, naming what differs
+    if draft_path is not None:
         vocab = workers["target"].vocab_size
 
         def spawn() -> Any:
             return ray.remote(DraftWorker).options(**actor_options(p, p.draft_cores, DRAFT_BUNDLE)).remote(
-                draft_path, runner_config(engine_cfg, "draft", p.draft_cores), spec.draft_top_k, vocab,
+                str(draft_path), runner_config(engine_cfg, "draft", p.draft_cores), spec.draft_top_k, vocab,
                 p.accelerator, engine_cfg.num_threads)
 
         draft = RemoteDraftProposer(spawn, compiled, on_state=metrics.on_draft_state if metrics else lambda _: None)

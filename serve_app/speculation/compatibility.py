@@ -60,6 +60,13 @@ def check_draft(target_path: Path, draft_path: Path) -> list[str]:
     elif draft_cfg.vocab_size != target_cfg.vocab_size:
         notes.append(f"vocab_size {draft_cfg.vocab_size} vs {target_cfg.vocab_size}: draft rows past the "
                      "target's vocabulary are never proposed")
+    feature_size = getattr(draft_cfg, "eagle_feature_size", None)  # serve_app.models.eagle.FEATURE_KEY
+    if feature_size is not None:
+        if feature_size != target_cfg.hidden_size:
+            problems.append(f"EAGLE head: it reads features of size {feature_size} but the target's hidden_size "
+                            f"is {target_cfg.hidden_size} (it was trained for another target)")
+        else:
+            notes.append("EAGLE head: the target ships its hidden states with every verify result")
     if problems:
         raise DraftMismatchError(f"draft {draft_path} cannot serve target {target_path}:\n  - "
                                  + "\n  - ".join(problems))

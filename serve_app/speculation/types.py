@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 PAD_TOKEN = -1  # fills draft positions past a sequence's own block length
+FEATURE_DTYPE = torch.float16  # target hidden states on the wire (numpy has no bfloat16; exact for bf16 < 65504)
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,9 @@ class VerifyResult:
     num_draft_tokens: torch.Tensor  # [batch] int64, as proposed
     num_accepted: torch.Tensor  # [batch] int64, n_i <= num_draft_tokens[i]
     output_tokens: torch.Tensor  # [batch, k + 1] int64: accepted drafts, then recovered/bonus; PAD after
+    # [batch, k + 1, hidden] FEATURE_DTYPE: the target's final-norm hidden state at each scored position
+    # (the sequence's previous last token, then each draft); only for an EAGLE draft, else None.
+    features: torch.Tensor | None = None
 
     def __reduce__(self):
         return _rebuild, (type(self), _to_wire(self))
@@ -126,6 +130,13 @@ class VerifyResult:
     def new_tokens(self, i: int) -> list[int]:
         """Tokens row ``i`` gained this round: its accepted drafts plus the recovered or bonus token."""
         return self.output_tokens[i, : int(self.num_accepted[i]) + 1].tolist()
+
+    def new_features(self, i: int) -> torch.Tensor:
+        """The target's features at the positions row ``i`` kept: its previous last token and the
+        accepted drafts (what an EAGLE head reads with the next tokens)."""
+        if self.features is None:
+            raise ValueError("this verify result carries no features: the target was not started for an EAGLE draft")
+        return self.features[i, : int(self.num_accepted[i]) + 1]
 
 
 # Messages cross Ray actor boundaries thousands of times a second. Pickling a torch tensor costs

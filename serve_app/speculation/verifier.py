@@ -4,6 +4,9 @@ Owns the target runner and, per sequence, the one token the cache has not seen y
 of the sequence). A round feeds ``[last, d_1..d_k]`` at the sequence's own positions, so the logits
 at column j give p for draft j+1 (and column k the bonus distribution). p never leaves this object;
 only a ``VerifyResult`` does. Rejected drafts are rolled back by a length change.
+
+With ``features=True`` (an EAGLE draft reads them) the target's final-norm hidden states travel
+too: the prompt's from ``add_sequence``, each round's in ``VerifyResult.features``.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ import torch
 from serve_app.models.runner import ModelRunner
 from serve_app.speculation.rejection_sampler import greedy_verify, rejection_sample
 from serve_app.speculation.sampling import probabilities
-from serve_app.speculation.types import PAD_TOKEN, ProposalBlock, SamplingParams, VerifyResult
+from serve_app.speculation.types import FEATURE_DTYPE, PAD_TOKEN, ProposalBlock, SamplingParams, VerifyResult
 
 
 class TargetVerifier:
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, features: bool = False):
         self.runner = runner
+        self.features = features
         self.params: dict[str, SamplingParams] = {}
         self.last_token: dict[str, int] = {}
         self.generators: dict[str, torch.Generator] = {}
@@ -30,8 +34,9 @@ class TargetVerifier:
     def free_slots(self) -> int:
         return self.runner.free_slots
 
-    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        """Prefill all prompt tokens but the last; the first round scores the last one."""
+    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> torch.Tensor | None:
+        """Prefill all prompt tokens but the last; the first round scores the last one. Returns the
+        prefilled positions' features ``[len(prompt) - 1, hidden]`` when features are on."""
         if not prompt_ids:
             raise ValueError("a sequence needs at least one prompt token")
         self.runner.add(seq_id)
@@ -39,8 +44,12 @@ class TargetVerifier:
         self.last_token[seq_id] = int(prompt_ids[-1])
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         self.generators[seq_id] = torch.Generator().manual_seed(seed)
-        if len(prompt_ids) > 1:
-            self.runner.prefill(seq_id, list(prompt_ids[:-1]))
+        hidden = self.runner.prefill(seq_id, list(prompt_ids[:-1])) if len(prompt_ids) > 1 else None
+        if not self.features:
+            return None
+        if hidden is None:
+            return torch.zeros((0, self.runner.hf_config.hidden_size), dtype=FEATURE_DTYPE)
+        return hidden.to("cpu", FEATURE_DTYPE)
 
     def remove_sequence(self, seq_id: str) -> None:
         if seq_id in self.params:
@@ -55,7 +64,12 @@ class TargetVerifier:
         counts = block.num_draft_tokens.tolist()
         start = [self.runner.length(s) for s in seq_ids]
         feed = [[self.last_token[s]] + drafts[i, : counts[i]].tolist() for i, s in enumerate(seq_ids)]
-        logits = self.runner.forward(seq_ids, feed, logits="all")  # [batch, k + 1, vocab]
+        features = None
+        if self.features:
+            logits, hidden = self.runner.forward_hidden(seq_ids, feed, logits="all")  # [batch, k + 1, ...]
+            features = hidden.to("cpu", FEATURE_DTYPE)
+        else:
+            logits = self.runner.forward(seq_ids, feed, logits="all")  # [batch, k + 1, vocab]
 
         output = torch.empty((len(seq_ids), k + 1), dtype=torch.long)
         accepted = torch.empty(len(seq_ids), dtype=torch.long)
@@ -85,4 +99,4 @@ class TargetVerifier:
             # Cache keeps last + n accepted drafts; the new last token is not cached yet.
             self.runner.truncate(s, start[i] + n + 1)
             self.last_token[s] = int(output[i, n])
-        return VerifyResult(seq_ids, block.num_draft_tokens.clone(), accepted, output)
+        return VerifyResult(seq_ids, block.num_draft_tokens.clone(), accepted, output, features)

@@ -53,9 +53,12 @@ class WorkerBase:
     def ping(self) -> bool:
         return True
 
-    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                     features: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The target returns the prompt's features when an EAGLE draft reads them; the draft takes them."""
         with self.lock:
-            self.owner.add_sequence(seq_id, prompt_ids, params)
+            extra = () if features is None else (features,)
+            return self.owner.add_sequence(seq_id, prompt_ids, params, *extra)
 
     def remove_sequence(self, seq_id: str) -> None:
         with self.lock:

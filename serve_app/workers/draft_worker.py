@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from serve_app.engine.factory import draft_proposer
 from serve_app.models.runner import RunnerConfig, build_runner
-from serve_app.speculation.compatibility import load_vocab
-from serve_app.speculation.proposers.draft_model import DraftModelProposer
 from serve_app.speculation.types import ProposalBlock, VerifyResult
 from serve_app.workers.base import WorkerBase, WorkerInfo
 from serve_app.workers.placement import Accelerator
@@ -20,11 +19,11 @@ from serve_app.workers.placement import Accelerator
 class DraftWorker(WorkerBase):
     role = "draft"
 
-    def __init__(self, model_path: str, runner_config: RunnerConfig, width: int, target_vocab: int | None,
+    def __init__(self, model_path: str, runner_config: RunnerConfig, width: int, target_vocab: int,
                  accelerator: Accelerator = "CPU", num_threads: int | None = None):
         self._start(accelerator, num_threads)
         runner = build_runner(model_path, runner_config)
-        self.proposer = self.owner = DraftModelProposer(runner, width, target_vocab, load_vocab(Path(model_path)))
+        self.proposer = self.owner = draft_proposer(runner, Path(model_path), width, target_vocab)
 
     def info(self) -> WorkerInfo:
         return self._info(self.proposer.runner.vocab_size)

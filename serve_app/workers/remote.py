@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
+import torch
 from ray.exceptions import GetTimeoutError, RayError
 
 from serve_app.speculation.types import ProposalBlock, SamplingParams, VerifyResult
@@ -70,12 +71,13 @@ class RemoteVerifier:
     def free_slots(self) -> int:
         return self.max_batch_size - len(self.active)
 
-    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> torch.Tensor | None:
         try:
-            ray.get(self.actor.add_sequence.remote(seq_id, list(prompt_ids), params))
+            features = ray.get(self.actor.add_sequence.remote(seq_id, list(prompt_ids), params))
         except RayError as e:
             raise WorkerError(f"target worker failed: {e}") from e
         self.active.add(seq_id)
+        return features
 
     def remove_sequence(self, seq_id: str) -> None:
         if seq_id in self.active:
@@ -110,11 +112,13 @@ class RemoteDraftProposer:
     def available(self) -> bool:
         return self.channel is not None
 
-    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                     features: torch.Tensor | None = None) -> None:
         if self.channel is None and not self._restarted():
             return  # decoded plainly: no draft yet
         try:
-            ray.get(self.actor.add_sequence.remote(seq_id, list(prompt_ids), params), timeout=ROUND_TIMEOUT_S)
+            ray.get(self.actor.add_sequence.remote(seq_id, list(prompt_ids), params, features),
+                    timeout=ROUND_TIMEOUT_S)
             self.on_draft.add(seq_id)
         except (RayError, GetTimeoutError) as e:
             self._fail(e)

@@ -16,9 +16,10 @@ class TargetWorker(WorkerBase):
     role = "target"
 
     def __init__(self, model_path: str, runner_config: RunnerConfig, accelerator: Accelerator = "CPU",
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, features: bool = False):
+        """``features``: ship the target's hidden states to an EAGLE draft."""
         self._start(accelerator, num_threads)
-        self.verifier = self.owner = TargetVerifier(build_runner(model_path, runner_config))
+        self.verifier = self.owner = TargetVerifier(build_runner(model_path, runner_config), features)
 
     def info(self) -> WorkerInfo:
         return self._info(self.verifier.runner.vocab_size)

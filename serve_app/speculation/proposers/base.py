@@ -10,13 +10,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+import torch
+
 from serve_app.speculation.types import ProposalBlock, SamplingParams, VerifyResult
 
 
 @runtime_checkable
 class Proposer(Protocol):
-    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        """Start tracking a sequence (a draft model prefills it here)."""
+    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                     features: torch.Tensor | None = None) -> None:
+        """Start tracking a sequence (a draft model prefills it here). ``features``: the target's
+        hidden states over the prompt but its last token, from ``TargetVerifier.add_sequence``
+        (an EAGLE head reads them; other proposers ignore them)."""
 
     def remove_sequence(self, seq_id: str) -> None:
         """Forget a finished or aborted sequence."""
@@ -58,7 +63,8 @@ class TokenHistory:
 class NoProposer:
     """Plain decoding: proposes nothing, so every round is one target step."""
 
-    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                     features: torch.Tensor | None = None) -> None:
         pass
 
     def remove_sequence(self, seq_id: str) -> None:

@@ -48,13 +48,17 @@ class DraftModelProposer:
             self.to_draft[self.to_target] = torch.arange(len(vocab_map))
             self.proposable = len(vocab_map)
 
-    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                     features: torch.Tensor | None = None) -> None:
+        self._track(seq_id, prompt_ids, params)
+        if len(prompt_ids) > 1:
+            self.runner.prefill(seq_id, self._to_draft(prompt_ids[:-1]))
+
+    def _track(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         self.history.add(seq_id, prompt_ids, params)
         self.runner.add(seq_id)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         self.generators[seq_id] = torch.Generator().manual_seed(seed + DRAFT_SEED_OFFSET)
-        if len(prompt_ids) > 1:
-            self.runner.prefill(seq_id, self._to_draft(prompt_ids[:-1]))
 
     def remove_sequence(self, seq_id: str) -> None:
         if seq_id in self.generators:
@@ -73,10 +77,11 @@ class DraftModelProposer:
 
         rows = [i for i in range(batch) if num_tokens[i] > 0]
         feed = [self._to_draft(self.history.tokens[seq_ids[i]][self.runner.length(seq_ids[i]):]) for i in rows]
+        carry = self._catch_up([seq_ids[i] for i in rows], feed) if rows else None
         for step in range(k):
             if not rows:
                 break
-            logits = self.runner.forward([seq_ids[i] for i in rows], feed)  # [rows, vocab]
+            logits, carry = self._step([seq_ids[i] for i in rows], feed, carry)  # [rows, vocab]
             if self.proposable is not None:
                 logits = logits[:, : self.proposable]  # never propose padding or input-only rows
             chosen = self._choose(logits, [seq_ids[i] for i in rows], [params[i] for i in rows])
@@ -88,9 +93,19 @@ class DraftModelProposer:
             # Rows that still need tokens feed the one they just drew (the last is never fed).
             keep = [r for r, i in enumerate(rows) if step + 1 < num_tokens[i]]
             feed = [self._to_draft([int(tokens[rows[r], step])]) for r in keep]
+            carry = None if carry is None else carry[keep]
             rows = [rows[r] for r in keep]
         lengths = torch.tensor([min(n, k) for n in num_tokens], dtype=torch.long)
         return ProposalBlock(tuple(seq_ids), tokens, lengths, q_ids, q_probs)
+
+    def _catch_up(self, seq_ids: Sequence[str], feed: Sequence[Sequence[int]]) -> torch.Tensor | None:
+        """What the first step feeds besides tokens (an EAGLE head's features); None for a decoder."""
+        return None
+
+    def _step(self, seq_ids: Sequence[str], feed: Sequence[Sequence[int]], carry: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One draft forward: (logits after each row's last fed token, what the next step feeds along)."""
+        return self.runner.forward(seq_ids, feed), None
 
     def _to_draft(self, tokens: Sequence[int]) -> list[int]:
         return list(tokens) if self.to_draft is None else self.to_draft[list(tokens)].tolist()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from serve_app.speculation.proposers.base import Proposer
 from serve_app.speculation.proposers.ngram import NgramProposer, lookup
@@ -22,9 +23,10 @@ class HybridProposer:
     def __init__(self, ngram: NgramProposer, draft: Proposer, min_match: int = 2):
         self.ngram, self.draft, self.min_match = ngram, draft, min_match
 
-    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                     features: torch.Tensor | None = None) -> None:
         self.ngram.add_sequence(seq_id, prompt_ids, params)
-        self.draft.add_sequence(seq_id, prompt_ids, params)
+        self.draft.add_sequence(seq_id, prompt_ids, params, features)
 
     def remove_sequence(self, seq_id: str) -> None:
         self.ngram.remove_sequence(seq_id)

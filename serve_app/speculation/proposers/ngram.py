@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from serve_app.speculation.proposers.base import TokenHistory
@@ -37,7 +38,8 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
         self.history = TokenHistory()
 
-    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                     features: torch.Tensor | None = None) -> None:
         self.history.add(seq_id, prompt_ids, params)
 
     def remove_sequence(self, seq_id: str) -> None:

@@ -1,0 +1,68 @@
+"""An EAGLE head as proposer (``serve_app.models.eagle``): the draft-model loop, fed the target's features.
+
+Per sequence it holds the target's true features that its cache has not consumed yet. With history
+x_0..x_{L-1} and c cache entries built from true features, those are f_{c-1}..f_{L-2} (f_{-1} = 0).
+A proposal first feeds x_c..x_{L-1} with them (the catch-up), then drafts: each step feeds the
+token it just drew with the feature it just predicted. The entries of those steps rest on predicted
+features, so ``observe`` rolls the cache back to the c true ones and queues the features the verify
+result brings (``VerifyResult.new_features``: the previous last token's and each accepted draft's).
+Sampling, q' and the reduced vocabulary are the draft-model proposer's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from serve_app.speculation.proposers.draft_model import DraftModelProposer
+from serve_app.speculation.types import FEATURE_DTYPE, SamplingParams, VerifyResult
+
+
+class EagleProposer(DraftModelProposer):
+    def __init__(self, runner, width: int = 32, target_vocab: int | None = None, vocab_map: list[int] | None = None):
+        super().__init__(runner, width, target_vocab, vocab_map)
+        self.feature_size: int = runner.model.feature_size
+        self.pending: dict[str, list[torch.Tensor]] = {}  # true features not fed yet, oldest first
+        self.true_len: dict[str, int] = {}  # cache entries built from true features
+
+    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                     features: torch.Tensor | None = None) -> None:
+        if features is None or len(features) != len(prompt_ids) - 1:
+            raise ValueError(f"an EAGLE draft needs the target's features for the {len(prompt_ids) - 1} prefilled "
+                             "prompt tokens (a TargetVerifier started with features=True)")
+        self._track(seq_id, prompt_ids, params)
+        shifted = torch.cat((torch.zeros((1, self.feature_size), dtype=FEATURE_DTYPE), features.to(FEATURE_DTYPE)))
+        if len(prompt_ids) > 1:  # x_0..x_{P-2} with f_{-1}..f_{P-3}
+            self.runner.prefill(seq_id, self._to_draft(prompt_ids[:-1]), shifted[:-1])
+        self.pending[seq_id] = [shifted[-1:]]
+        self.true_len[seq_id] = len(prompt_ids) - 1
+
+    def remove_sequence(self, seq_id: str) -> None:
+        super().remove_sequence(seq_id)
+        self.pending.pop(seq_id, None)
+        self.true_len.pop(seq_id, None)
+
+    def _catch_up(self, seq_ids: Sequence[str], feed: Sequence[Sequence[int]]) -> torch.Tensor:
+        out = torch.zeros((len(seq_ids), max(map(len, feed)), self.feature_size), dtype=FEATURE_DTYPE)
+        for r, s in enumerate(seq_ids):
+            f = torch.cat(self.pending[s])
+            if len(f) != len(feed[r]):
+                raise RuntimeError(f"EAGLE draft out of step on {s!r}: {len(f)} features for {len(feed[r])} tokens")
+            out[r, : len(f)] = f
+            self.pending[s] = []
+            self.true_len[s] += len(f)
+        return out
+
+    def _step(self, seq_ids: Sequence[str], feed: Sequence[Sequence[int]], carry: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, hidden = self.runner.forward_hidden(seq_ids, feed, features=carry)
+        return logits, hidden[:, None]  # the predicted feature goes with the token drawn from it
+
+    def observe(self, result: VerifyResult) -> None:
+        for i, s in enumerate(result.seq_ids):
+            if s in self.pending:
+                self.pending[s].append(result.new_features(i))
+        for s in self.history.extend(result):
+            if self.runner.length(s) > self.true_len[s]:
+                self.runner.truncate(s, self.true_len[s])

@@ -1,0 +1,134 @@
+"""The EAGLE draft head: trained by the distill pipeline, lossless in the engine, its features in step.
+
+The head reads the target's hidden states, which travel from the verifier to the proposer; the
+bookkeeping test recomputes every proposal from scratch (target features over the whole history,
+then the head's k steps) and compares it with the incremental, cached proposer.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import pytest
+import torch
+
+from serve_app.config import EngineConfig, SpeculationConfig
+from serve_app.engine.factory import reads_features
+from serve_app.engine.request import GenerationParams
+from serve_app.models.eagle import EagleHead
+from serve_app.models.runner import ModelRunner, RunnerConfig
+from serve_app.speculation.compatibility import DraftMismatchError, check_draft, load_vocab
+from serve_app.speculation.proposers.eagle import EagleProposer
+from serve_app.speculation.types import ProposalBlock, SamplingParams, VerifyResult
+from serve_app.speculation.verifier import TargetVerifier
+from tests.conftest import make_tiny_model
+from tests.helpers import engine_for, hf_greedy
+
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef mul(a, b):",
+    "The quick brown fox jumps over",
+    "Speculative decoding drafts tokens",
+    "dog dog dog dog",
+]
+
+
+def test_pipeline_writes_a_servable_eagle_head(tiny_models, tiny_eagle):
+    head = tiny_eagle / "draft"
+    for name in ("features.pt", "checkpoint.pt", "draft/eagle_fc.safetensors", "draft/draft_vocab.json"):
+        assert (tiny_eagle / name).is_file(), name
+    notes = check_draft(tiny_models["llama"], head)
+    assert any("EAGLE head" in n for n in notes) and any("reduced vocabulary" in n for n in notes)
+    runner = ModelRunner(head, RunnerConfig())
+    assert isinstance(runner.model, EagleHead)
+    runner.add("s")
+    with pytest.raises(ValueError, match="needs the target's features"):
+        runner.forward(["s"], [[1, 2]])
+
+
+def test_eagle_greedy_is_lossless_and_accepts(tiny_models, tiny_eagle):
+    target = tiny_models["llama"]
+    engine = engine_for(target, draft=tiny_eagle / "draft", k=3)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    plain = engine.generate(prompts, GenerationParams(max_tokens=40, method="none"))
+    for out, ids in zip(plain, prompts, strict=True):
+        assert out.token_ids == hf_greedy(target, ids, 40)  # independent oracle
+    for k in (1, 3, 8):
+        spec = engine.generate(prompts, GenerationParams(max_tokens=40, method="draft", num_speculative_tokens=k))
+        assert [s.token_ids for s in spec] == [p.token_ids for p in plain], k
+    assert engine.stats.num_draft_tokens > 0  # acceptance is measured on the real model (test_real_model.py)
+
+
+def test_incremental_proposals_equal_a_recomputation_from_scratch(tiny_models, tiny_eagle):
+    """Outcomes are forced (random accepted counts, including all-accepted and undrafted rounds) so every
+    path of the feature bookkeeping runs whatever the head's quality; the target supplies true features."""
+    target_path, head = tiny_models["llama"], tiny_eagle / "draft"
+    cfg = RunnerConfig(max_batch_size=4, max_seq_len=256)
+    oracle = ModelRunner(target_path, cfg)
+    vocab_size = oracle.vocab_size
+
+    def proposer() -> EagleProposer:
+        return EagleProposer(ModelRunner(head, cfg), target_vocab=vocab_size, vocab_map=load_vocab(head))
+
+    def features(tokens: list[int]) -> torch.Tensor:  # the target's features at every position
+        oracle.add("x")
+        f = oracle.prefill("x", tokens)
+        oracle.release("x")
+        return f
+
+    incremental, scratch = proposer(), proposer()
+
+    def from_scratch(history: list[int], k: int) -> list[int]:
+        scratch.add_sequence("x", history, SamplingParams(), features(history[:-1]))
+        tokens = scratch.propose(["x"], [k]).draft_tokens[0].tolist()
+        scratch.remove_sequence("x")
+        return tokens
+
+    tok = oracle.load_tokenizer()
+    seqs = {f"s{i}": tok.encode(p) for i, p in enumerate(PROMPTS[:3])}
+    for s, ids in seqs.items():
+        incremental.add_sequence(s, ids, SamplingParams(), features(ids[:-1]))
+    rng = random.Random(0)
+    for round_ in range(10):
+        k = 1 + round_ % 4
+        ids = list(seqs)
+        wanted = [0 if round_ % 3 == 2 and i == 2 else k for i in range(len(ids))]  # s2 undrafted every third round
+        block = incremental.propose(ids, wanted)
+        output = torch.full((len(ids), k + 1), -1, dtype=torch.long)
+        accepted = torch.zeros(len(ids), dtype=torch.long)
+        feats = torch.zeros((len(ids), k + 1, 64), dtype=torch.float16)
+        for i, s in enumerate(ids):
+            n_drafted = int(block.num_draft_tokens[i])
+            drafts = block.draft_tokens[i, :n_drafted].tolist()
+            if n_drafted:
+                assert drafts == from_scratch(seqs[s], n_drafted), (round_, s)
+            n = rng.choice([0, n_drafted, rng.randint(0, n_drafted)])  # rejected, all accepted, or some
+            new = drafts[:n] + [rng.randrange(vocab_size)]
+            start = len(seqs[s]) - 1  # the previous last token's position
+            seqs[s] += new
+            output[i, : n + 1], accepted[i] = torch.tensor(new), n
+            feats[i, : n + 1] = features(seqs[s][:-1])[start:]
+        incremental.observe(VerifyResult(tuple(ids), block.num_draft_tokens, accepted, output, feats))
+
+
+def test_features_travel_in_verify_results(tiny_models):
+    verifier = TargetVerifier(ModelRunner(tiny_models["llama"], RunnerConfig()), features=True)
+    feats = verifier.add_sequence("s", [5, 6, 7, 8], SamplingParams())
+    assert feats is not None and feats.shape == (3, 64) and feats.dtype == torch.float16
+    result = verifier.verify(ProposalBlock.make_dummy(["s"], [[9, 10]]))
+    wire = pickle.loads(pickle.dumps(result))
+    assert wire.features is not None and torch.equal(wire.features, result.features)
+    assert wire.new_features(0).shape == (int(result.num_accepted[0]) + 1, 64)
+    plain = TargetVerifier(ModelRunner(tiny_models["llama"], RunnerConfig()))
+    assert plain.add_sequence("s", [5, 6], SamplingParams()) is None
+
+
+def test_a_head_for_another_target_or_backend_is_refused(tmp_path, tiny_models, tiny_eagle):
+    other = make_tiny_model(tmp_path / "wide", "llama", hidden_size=96)
+    with pytest.raises(DraftMismatchError, match="EAGLE head: it reads features of size 64 but the target's "
+                                                  "hidden_size is 96"):
+        check_draft(other, tiny_eagle / "draft")
+    config = EngineConfig(model=str(tiny_models["llama"]), backend="neuron",
+                          speculation=SpeculationConfig(draft=str(tiny_eagle / "draft")))
+    with pytest.raises(ValueError, match="speculation.draft: .* EAGLE head"):
+        reads_features(config, tiny_eagle / "draft")
