@@ -4,7 +4,7 @@ Prompts: open-ended chat prompts the draft never trained on, and input-grounded 
 given text); greedy and temperature 0.7; single stream. Also the cost of one draft step relative
 to one target step (batch 1, one token, after a 256-token context).
 
-    python benchmarks/bench_draft.py --draft smollm2-135m-instruct-draft [--ks 1,2,3,4] [--max-tokens 128]
+    python benchmarks/bench_draft.py [--draft smollm2-135m-instruct-eagle] [--ks 1,2,3,4] [--max-tokens 128]
 
 Prints a table, writes benchmarks/results/draft.json.
 """
@@ -68,7 +68,7 @@ def run(engine, prompts, method: str, k: int, sampling: SamplingParams, max_toke
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draft", default="smollm2-135m-instruct-draft")
+    ap.add_argument("--draft", default="smollm2-135m-instruct-eagle")
     ap.add_argument("--ks", default="1,2,3,4")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")

@@ -82,7 +82,7 @@ def tiny_eagle(tmp_path_factory, tiny_models) -> Path:
     out = tmp_path_factory.mktemp("eagle") / "run"
     distill(DistillConfig(target=str(tiny_models["llama"]), out=out, arch="eagle", minutes=5, max_steps=200,
                           vocab_size=200, max_prompts=6, samples_per_prompt=2, max_new_tokens=12, text_docs=3,
-                          text_tokens=32, batch_size=4, eval_every=50, gen_batch=8))
+                          text_tokens=32, batch_size=4, eval_every=50, gen_batch=8, own_features=0.5))
     return out
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import pickle
 import random
+import shutil
 
 import pytest
 import torch
 
 from serve_app.config import EngineConfig, SpeculationConfig
+from serve_app.distill.train import DistillConfig, distill
 from serve_app.engine.factory import reads_features
 from serve_app.engine.request import GenerationParams
 from serve_app.models.eagle import EagleHead
@@ -44,6 +46,18 @@ def test_pipeline_writes_a_servable_eagle_head(tiny_models, tiny_eagle):
     runner.add("s")
     with pytest.raises(ValueError, match="needs the target's features"):
         runner.forward(["s"], [[1, 2]])
+
+
+def test_training_continues_from_a_saved_head(tiny_models, tiny_eagle, tmp_path, capsys):
+    out = tmp_path / "more"
+    out.mkdir()
+    for name in ("data.pt", "teacher.pt", "features.pt"):  # same data: same vocabulary
+        shutil.copy(tiny_eagle / name, out / name)
+    distill(DistillConfig(target=str(tiny_models["llama"]), out=out, arch="eagle", init=tiny_eagle / "draft",
+                          max_steps=4, eval_every=2, vocab_size=200, own_features=1.0, batch_size=4))
+    log = capsys.readouterr().out
+    assert f"starting from {tiny_eagle / 'draft'}" in log and "on its own features" in log
+    assert (out / "draft" / "eagle_fc.safetensors").is_file()
 
 
 def test_eagle_greedy_is_lossless_and_accepts(tiny_models, tiny_eagle):

@@ -197,30 +197,6 @@ def test_python_handle_calls(server):
     assert chat["object"] == "chat.completion"
 
 
-def test_an_eagle_head_reads_the_target_features_across_workers(cluster, tiny_models, tiny_eagle):
-    """The target worker ships its hidden states to the EAGLE head's worker: the prompt's at admission,
-    each round's in the verify result (through the compiled graph)."""
-    args = app_args(tiny_models)
-    target = str(tiny_models["llama"])
-    args["engine"] = {**args["engine"], "model": target,
-                      "speculation": {"draft": str(tiny_eagle / "draft"), "num_speculative_tokens": 3}}
-    serve.run(build_app(args), name="eagle", route_prefix="/eagle")
-    engine = build_engine(EngineConfig(model=target, dtype="float32", max_seq_len=256,
-                                       speculation=SpeculationConfig(draft="none")))
-    drafted = 0
-    for prompt in PROMPTS:
-        expected = engine.generate([engine.tokenizer.encode(prompt)], GenerationParams(max_tokens=24))[0]
-        body = httpx.post(f"{BASE}/eagle/v1/completions", timeout=120,
-                          json={"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0}).json()
-        assert body["choices"][0]["text"] == expected.text
-        drafted += body["speculation"]["num_draft_tokens"]
-    assert drafted > 0
-    sampled = httpx.post(f"{BASE}/eagle/v1/completions", timeout=120,
-                         json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0.8})
-    assert sampled.status_code == 200 and sampled.json()["speculation"]["num_draft_tokens"] > 0
-    serve.delete("eagle")
-
-
 def scrape(metrics_port: int) -> str:
     return httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
 
@@ -291,6 +267,31 @@ def test_a_dead_draft_worker_never_fails_a_request(server, metrics_port):
 
     wait_for(draft_back, 90, interval=1)
     assert server.workers.remote().result()["draft"]["pid"] != draft_pid
+
+
+def test_an_eagle_head_reads_the_target_features_across_workers(cluster, tiny_models, tiny_eagle):
+    """The target worker ships its hidden states to the EAGLE head's worker: the prompt's at admission,
+    each round's in the verify result (through the compiled graph). Placed after the metrics tests:
+    a deleted app's gauges linger in the scrape for a while."""
+    args = app_args(tiny_models)
+    target = str(tiny_models["llama"])
+    args["engine"] = {**args["engine"], "model": target,
+                      "speculation": {"draft": str(tiny_eagle / "draft"), "num_speculative_tokens": 3}}
+    serve.run(build_app(args), name="eagle", route_prefix="/eagle")
+    engine = build_engine(EngineConfig(model=target, dtype="float32", max_seq_len=256,
+                                       speculation=SpeculationConfig(draft="none")))
+    drafted = 0
+    for prompt in PROMPTS:
+        expected = engine.generate([engine.tokenizer.encode(prompt)], GenerationParams(max_tokens=24))[0]
+        body = httpx.post(f"{BASE}/eagle/v1/completions", timeout=120,
+                          json={"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0}).json()
+        assert body["choices"][0]["text"] == expected.text
+        drafted += body["speculation"]["num_draft_tokens"]
+    assert drafted > 0
+    sampled = httpx.post(f"{BASE}/eagle/v1/completions", timeout=120,
+                         json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0.8})
+    assert sampled.status_code == 200 and sampled.json()["speculation"]["num_draft_tokens"] > 0
+    serve.delete("eagle")
 
 
 def test_autoscaling_adds_and_removes_whole_replicas(cluster, tiny_models):

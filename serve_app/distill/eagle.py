@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaForCausalLM
 
@@ -52,3 +52,10 @@ def save_eagle(draft: EagleDraft, vocab: list[int], target_path: Path, out: Path
                dtype: torch.dtype = torch.bfloat16) -> None:
     save_draft(draft.lm, vocab, target_path, out, dtype)
     save_file({f"fc.{k}": v.detach().to(dtype).contiguous() for k, v in draft.fc.state_dict().items()}, out / FC_FILE)
+
+
+def load_eagle(path: Path) -> EagleDraft:
+    """A saved head, to train further (``distill --init``)."""
+    draft = EagleDraft(LlamaForCausalLM.from_pretrained(path, dtype=torch.float32))
+    draft.fc.load_state_dict({k.removeprefix("fc."): v.float() for k, v in load_file(path / FC_FILE).items()})
+    return draft
