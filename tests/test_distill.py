@@ -40,9 +40,9 @@ def test_vocabulary_keeps_specials_and_frequent_tokens():
 
 def test_pipeline_trains_resumes_and_yields_a_lossless_draft(tiny_models, tmp_path):
     target = tiny_models["llama"]
-    cfg = DistillConfig(target=str(target), out=tmp_path / "run", minutes=0.05, vocab_size=200, max_prompts=6,
-                        samples_per_prompt=2, synth_prompts=4, max_new_tokens=12, text_docs=3, text_tokens=32,
-                        batch_size=4, eval_every=3, gen_batch=8)
+    cfg = DistillConfig(target=str(target), out=tmp_path / "run", arch="decoder", minutes=0.05, vocab_size=200,
+                        max_prompts=6, samples_per_prompt=2, synth_prompts=4, max_new_tokens=12, text_docs=3,
+                        text_tokens=32, batch_size=4, eval_every=3, gen_batch=8)
     draft = distill(cfg)
     for name in ("data.pt", "teacher.pt", "checkpoint.pt", "log.jsonl"):
         assert (cfg.out / name).is_file()

@@ -49,7 +49,7 @@ class DistillConfig:
     out: Path
     minutes: float = 60.0  # training time
     max_steps: int | None = None  # set: stop after this many steps and schedule by steps (reproducible runs)
-    arch: str = "decoder"  # "decoder": a small reduced-vocabulary decoder; "eagle": a head on target features
+    arch: str = "eagle"  # "eagle": a head on the target's features; "decoder": a small standalone decoder
     vocab_size: int = 8192
     max_prompts: int | None = None
     samples_per_prompt: int = 2  # one greedy response + sampled ones
