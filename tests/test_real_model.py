@@ -73,6 +73,6 @@ def test_shipped_eagle_head_is_lossless_and_accepts(smollm2_path, prompts):
     spec = engine.generate(prompts, GenerationParams(max_tokens=32, method="draft"))
     assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
     accepted = sum(s.stats.num_accepted_tokens for s in spec)
-    # a trained head, not noise: benchmarks measured an acceptance rate of 0.10 (open prompts) and 0.12
-    # (grounded) at k = 4; an untrained head accepts almost nothing
+    # a trained head, not noise: here it is accepted for 14 % of its drafts (53 of 369) and an untrained
+    # one (init_eagle) for none of 556; benchmarks measured 0.10 (open) and 0.12 (grounded) at k = 4
     assert accepted > 0.06 * sum(s.stats.num_draft_tokens for s in spec)
