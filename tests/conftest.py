@@ -75,14 +75,14 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_eagle(tmp_path_factory, tiny_models) -> Path:
-    """An EAGLE head for the tiny Llama, trained for 200 steps (seconds) by the distill pipeline; returns
+    """An EAGLE head for the tiny Llama, trained for 800 steps (seconds) by the distill pipeline; returns
     the run folder (the head is in ``draft/``)."""
     from serve_app.distill.train import DistillConfig, distill
 
     out = tmp_path_factory.mktemp("eagle") / "run"
-    distill(DistillConfig(target=str(tiny_models["llama"]), out=out, arch="eagle", minutes=5, max_steps=200,
+    distill(DistillConfig(target=str(tiny_models["llama"]), out=out, arch="eagle", minutes=5, max_steps=800,
                           vocab_size=200, max_prompts=6, samples_per_prompt=2, max_new_tokens=12, text_docs=3,
-                          text_tokens=32, batch_size=4, eval_every=50, gen_batch=8, own_features=0.5))
+                          text_tokens=32, batch_size=4, eval_every=200, gen_batch=8))
     return out
 
 

@@ -70,7 +70,9 @@ def test_eagle_greedy_is_lossless_and_accepts(tiny_models, tiny_eagle):
     for k in (1, 3, 8):
         spec = engine.generate(prompts, GenerationParams(max_tokens=40, method="draft", num_speculative_tokens=k))
         assert [s.token_ids for s in spec] == [p.token_ids for p in plain], k
-    assert engine.stats.num_draft_tokens > 0  # acceptance is measured on the real model (test_real_model.py)
+    # accepted drafts went through the engine too (75 of 1,482 measured; the rate that matters is the
+    # real model's, test_real_model.py)
+    assert engine.stats.num_accepted_tokens > 0
 
 
 def test_incremental_proposals_equal_a_recomputation_from_scratch(tiny_models, tiny_eagle):

@@ -158,8 +158,8 @@ def test_sampled_speculation_follows_the_target_distribution(request, tiny_model
     expected = (m / m.sum() * sum(observed)).tolist()
     assert chisquare(observed, expected).pvalue > 1e-3
     stats = engine.stats  # the draft really took part, and was sometimes rejected
-    # The tiny EAGLE head trained for seconds on chat data, and this prompt is raw text: it is accepted
-    # about 4 % of the time here (some 180 drafts); the other drafts about 10 to 60 %.
+    # The tiny EAGLE head (800 steps on chat data; this prompt is raw text) measured 0.042 here in the
+    # full suite and 0.109 in a process of its own: its training is sensitive to the environment.
     assert (0.02 if draft_name == "eagle" else 0.05) < stats.acceptance_rate < 0.95, stats
 
 

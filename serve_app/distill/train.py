@@ -356,16 +356,20 @@ def train(cfg: DistillConfig, target_path: Path, teach: dict, vocab: list[int], 
             torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt)
 
 
+def cached(path: Path, label: str, compute):
+    """A phase's result: loaded from ``path`` when an earlier run saved it, else computed and saved."""
+    if path.is_file():
+        say(f"[{label}] reusing {path}")
+        return torch.load(path, weights_only=False)
+    result = compute()
+    torch.save(result, path)
+    return result
+
+
 def distill(cfg: DistillConfig) -> Path:
     cfg.out.mkdir(parents=True, exist_ok=True)
     target_path = resolve(cfg.target)
-    data_file, teacher_file = cfg.out / "data.pt", cfg.out / "teacher.pt"
-    if data_file.is_file():
-        data = torch.load(data_file, weights_only=False)
-        say(f"[data] reusing {data_file}")
-    else:
-        data = generate(cfg, target_path)
-        torch.save(data, data_file)
+    data = cached(cfg.out / "data.pt", "data", lambda: generate(cfg, target_path))
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target_path)
@@ -374,21 +378,10 @@ def distill(cfg: DistillConfig) -> Path:
     held = [resp for _, resp, _ in data["heldout"]]
     say(f"[vocab] {len(vocab)} tokens cover {coverage(responses, vocab):.1%} of training responses, "
         f"{coverage(held, vocab):.1%} of held-out responses")
-    if teacher_file.is_file():
-        teach = torch.load(teacher_file, weights_only=False)
-        say(f"[teacher] reusing {teacher_file}")
-    else:
-        teach = teacher(cfg, target_path, data, vocab)
-        torch.save(teach, teacher_file)
+    teach = cached(cfg.out / "teacher.pt", "teacher", lambda: teacher(cfg, target_path, data, vocab))
     feats = None
     if cfg.arch == "eagle":
-        features_file = cfg.out / "features.pt"
-        if features_file.is_file():
-            feats = torch.load(features_file, weights_only=False)
-            say(f"[features] reusing {features_file}")
-        else:
-            feats = target_features(target_path, teach)
-            torch.save(feats, features_file)
+        feats = cached(cfg.out / "features.pt", "features", lambda: target_features(target_path, teach))
     train(cfg, target_path, teach, vocab, feats)
     say(f"[done] draft written to {cfg.out / 'draft'}")
     return cfg.out / "draft"

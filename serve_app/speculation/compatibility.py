@@ -13,6 +13,8 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
 
+from serve_app.models.eagle import FEATURE_KEY
+
 VOCAB_FILE = "draft_vocab.json"
 SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")
 
@@ -60,7 +62,7 @@ def check_draft(target_path: Path, draft_path: Path) -> list[str]:
     elif draft_cfg.vocab_size != target_cfg.vocab_size:
         notes.append(f"vocab_size {draft_cfg.vocab_size} vs {target_cfg.vocab_size}: draft rows past the "
                      "target's vocabulary are never proposed")
-    feature_size = getattr(draft_cfg, "eagle_feature_size", None)  # serve_app.models.eagle.FEATURE_KEY
+    feature_size = getattr(draft_cfg, FEATURE_KEY, None)
     if feature_size is not None:
         if feature_size != target_cfg.hidden_size:
             problems.append(f"EAGLE head: it reads features of size {feature_size} but the target's hidden_size "

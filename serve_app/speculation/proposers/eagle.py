@@ -24,7 +24,6 @@ class EagleProposer(DraftModelProposer):
         super().__init__(runner, width, target_vocab, vocab_map)
         self.feature_size: int = runner.model.feature_size
         self.pending: dict[str, list[torch.Tensor]] = {}  # true features not fed yet, oldest first
-        self.true_len: dict[str, int] = {}  # cache entries built from true features
 
     def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                      features: torch.Tensor | None = None) -> None:
@@ -36,12 +35,10 @@ class EagleProposer(DraftModelProposer):
         if len(prompt_ids) > 1:  # x_0..x_{P-2} with f_{-1}..f_{P-3}
             self.runner.prefill(seq_id, self._to_draft(prompt_ids[:-1]), shifted[:-1])
         self.pending[seq_id] = [shifted[-1:]]
-        self.true_len[seq_id] = len(prompt_ids) - 1
 
     def remove_sequence(self, seq_id: str) -> None:
         super().remove_sequence(seq_id)
         self.pending.pop(seq_id, None)
-        self.true_len.pop(seq_id, None)
 
     def _catch_up(self, seq_ids: Sequence[str], feed: Sequence[Sequence[int]]) -> torch.Tensor:
         out = torch.zeros((len(seq_ids), max(map(len, feed)), self.feature_size), dtype=FEATURE_DTYPE)
@@ -51,7 +48,6 @@ class EagleProposer(DraftModelProposer):
                 raise RuntimeError(f"EAGLE draft out of step on {s!r}: {len(f)} features for {len(feed[r])} tokens")
             out[r, : len(f)] = f
             self.pending[s] = []
-            self.true_len[s] += len(f)
         return out
 
     def _step(self, seq_ids: Sequence[str], feed: Sequence[Sequence[int]], carry: torch.Tensor | None
@@ -64,5 +60,7 @@ class EagleProposer(DraftModelProposer):
             if s in self.pending:
                 self.pending[s].append(result.new_features(i))
         for s in self.history.extend(result):
-            if self.runner.length(s) > self.true_len[s]:
-                self.runner.truncate(s, self.true_len[s])
+            # c = L minus the features still queued: one per history token the cache lacks
+            true_len = len(self.history.tokens[s]) - sum(len(f) for f in self.pending[s])
+            if self.runner.length(s) > true_len:
+                self.runner.truncate(s, true_len)
