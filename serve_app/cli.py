@@ -101,8 +101,9 @@ def _distill_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default=DEFAULT_MODEL, help="target model source")
     p.add_argument("--out", required=True, help="work folder; the draft lands in OUT/draft")
     p.add_argument("--minutes", type=float, default=60.0, help="training time budget")
-    p.add_argument("--own-features", type=float, default=0.0,
-                   help="eagle: share of input features replaced by the head's own predictions (multi-step drafting)")
+    p.add_argument("--unroll", type=int, default=4,
+                   help="eagle: drafting steps trained, each reading the previous step's prediction "
+                        "(1: true features only)")
     p.add_argument("--init", default=None, help="start from this trained draft folder (same target and data)")
     p.add_argument("--max-steps", type=int, default=None, help="also stop after N steps (schedule by steps)")
     p.add_argument("--arch", choices=["eagle", "decoder"], default="eagle",
@@ -131,7 +132,7 @@ def distill(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     run(DistillConfig(
         target=args.target, out=Path(args.out), minutes=args.minutes, max_steps=args.max_steps, arch=args.arch,
-        vocab_size=args.vocab_size, own_features=args.own_features, init=Path(args.init) if args.init else None,
+        vocab_size=args.vocab_size, unroll=args.unroll, init=Path(args.init) if args.init else None,
         max_prompts=args.max_prompts, samples_per_prompt=args.samples_per_prompt, synth_prompts=args.synth_prompts,
         gen_batch=args.gen_batch,
         max_new_tokens=args.max_new_tokens, text_docs=args.text_docs, batch_size=args.batch_size, lr=args.lr,

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from serve_app.config import EngineConfig, SpeculationConfig
+from serve_app.distill.eagle import load_eagle, unrolled
 from serve_app.distill.train import DistillConfig, distill
 from serve_app.engine.factory import reads_features
 from serve_app.engine.request import GenerationParams
@@ -54,10 +55,38 @@ def test_training_continues_from_a_saved_head(tiny_models, tiny_eagle, tmp_path,
     for name in ("data.pt", "teacher.pt", "features.pt"):  # same data: same vocabulary
         shutil.copy(tiny_eagle / name, out / name)
     distill(DistillConfig(target=str(tiny_models["llama"]), out=out, arch="eagle", init=tiny_eagle / "draft",
-                          max_steps=4, eval_every=2, vocab_size=200, own_features=1.0, batch_size=4))
+                          max_steps=4, eval_every=2, vocab_size=200, unroll=2, batch_size=4))
     log = capsys.readouterr().out
-    assert f"starting from {tiny_eagle / 'draft'}" in log and "on its own features" in log
+    assert f"starting from {tiny_eagle / 'draft'}" in log and "mean acceptance length at k=4" in log
     assert (out / "draft" / "eagle_fc.safetensors").is_file()
+
+
+@torch.no_grad()
+def test_training_unrolls_drafting_exactly_as_the_served_head_drafts(tiny_eagle):
+    """The training-time test (``unrolled``) must compute, at step s and position p, the logits the
+    served head gives for the (s+1)-th token of a draft that began at p - s: true features up to
+    there, its own predictions after."""
+    head = tiny_eagle / "draft"
+    trained = load_eagle(head).eval()
+    runner = ModelRunner(head, RunnerConfig(max_seq_len=64))
+    gen = torch.Generator().manual_seed(0)
+    n, steps = 14, 4
+    tokens = torch.randint(0, len(load_vocab(head)), (n,), generator=gen)
+    true = torch.randn(n, 64, generator=gen)  # any features will do: this checks the computation
+    shifted = torch.cat((torch.zeros(1, 64), true[:-1]))
+    chains = unrolled(trained, tokens[None], shifted[None], steps)
+    hf_hidden, hf_logits = trained(tokens[None], shifted[None], torch.ones(1, n, dtype=torch.long))
+    assert torch.allclose(chains[0][1], hf_logits, atol=1e-4)  # step 0: the plain teacher-forced forward
+    for start in (0, 3, n - steps):
+        runner.add("x")
+        hidden = runner.prefill("x", tokens[: start + 1].tolist(), shifted[: start + 1])[-1:]
+        for s in range(steps):
+            if s:
+                logits, hidden = runner.forward_hidden(["x"], [[int(tokens[start + s])]], features=hidden[:, None])
+            else:
+                logits = runner.model.lm_head(hidden).float()
+            assert torch.allclose(logits[0], chains[s][1][0, start + s], atol=1e-4), (start, s)
+        runner.release("x")
 
 
 def test_eagle_greedy_is_lossless_and_accepts(tiny_models, tiny_eagle):
