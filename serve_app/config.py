@@ -33,6 +33,12 @@ class SpeculationConfig(StrictModel):
         description="Support size of the truncated draft distribution q' shipped with each sampled "
         "draft token. Larger keeps more of q (higher acceptance), smaller keeps blocks small.",
     )
+    draft_stop_below: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="Dynamic block length: a sequence stops drafting after a token the draft gave less "
+        "than this probability (0 = always draft k). Only the draft's own numbers decide, so output is "
+        "unchanged; it saves draft steps and verify slots that would likely be rejected.",
+    )
     ngram_first: bool = Field(
         False,
         description="With a draft model: use n-gram lookup for a sequence whenever its last "
@@ -49,9 +55,12 @@ class SpeculationConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
-    def _ngram_first_needs_a_draft(self) -> SpeculationConfig:
+    def _draft_options_need_a_draft_model(self) -> SpeculationConfig:
         if self.ngram_first and self.draft in ("ngram", "none"):
             raise ValueError("ngram_first combines n-gram lookup with a draft model: set `draft` to a model")
+        if self.draft_stop_below and self.draft in ("ngram", "none"):
+            raise ValueError("draft_stop_below reads a draft model's probabilities: set `draft` to a model, "
+                             "or draft_stop_below to 0")
         return self
 
     @property

@@ -9,6 +9,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
+from serve_app.builder import ConfigError, parse_config
 from serve_app.engine.engine import RequestError
 from serve_app.engine.request import GenerationParams
 from serve_app.speculation.types import SamplingParams
@@ -52,6 +53,31 @@ def test_draft_identical_to_target_accepts_everything(tiny_models):
         # 33 tokens = 6 full rounds of 5 (4 accepted + bonus) + a last round capped to 3
         assert out.stats.target_forward_passes == 1 + 7
         assert sum(out.stats.accepted_per_position) == out.stats.num_accepted_tokens == 32 - 6
+
+
+def test_unsure_drafts_stop_early_and_lose_nothing(tiny_models):
+    """draft_stop_below: a row stops drafting after a token the draft gave less than that probability.
+    At 1.0 every block is one token (no probability reaches 1), at 0 it is k; the output never changes."""
+    target = tiny_models["qwen3"]
+    reference = engine_for(target, draft="none")
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS]
+    plain = [o.token_ids for o in reference.generate(prompts, GenerationParams(max_tokens=40))]
+    per_round = {}
+    for stop in (0.0, 0.5, 1.0):
+        engine = engine_for(target, draft=tiny_models["qwen3_near"], k=4, draft_stop_below=stop)
+        outs = engine.generate(prompts, GenerationParams(max_tokens=40))
+        assert [o.token_ids for o in outs] == plain, stop
+        rounds = sum(o.stats.target_forward_passes - 1 for o in outs)  # the first pass is the prefill
+        per_round[stop] = sum(o.stats.num_draft_tokens for o in outs) / rounds
+    assert per_round[1.0] <= 1.0 < per_round[0.5] < per_round[0.0], per_round
+    assert per_round[0.0] > 3.0, per_round
+
+
+def test_draft_stop_below_needs_a_draft_model():
+    with pytest.raises(ConfigError, match="draft_stop_below reads a draft model's probabilities"):
+        parse_config({"engine": {"speculation": {"draft": "ngram", "draft_stop_below": 0.5}}})
+    with pytest.raises(ConfigError, match="draft_stop_below"):
+        parse_config({"engine": {"speculation": {"draft": "smollm2-135m-instruct-eagle", "draft_stop_below": 1.5}}})
 
 
 def test_stats_are_consistent(tiny_models):
@@ -120,16 +146,18 @@ def test_seeded_sampling_is_reproducible(tiny_models):
     assert c.token_ids != a.token_ids
 
 
-@pytest.mark.parametrize("target, draft_name",
-                         [("qwen3", "qwen3_near"), ("llama", "llama_reduced"), ("llama", "eagle")])
-def test_sampled_speculation_follows_the_target_distribution(request, tiny_models, target, draft_name):
+@pytest.mark.parametrize("target, draft_name, stop_below",
+                         [("qwen3", "qwen3_near", 0.0), ("qwen3", "qwen3_near", 0.6), ("llama", "llama_reduced", 0.0),
+                          ("llama", "eagle", 0.0)])
+def test_sampled_speculation_follows_the_target_distribution(request, tiny_models, target, draft_name, stop_below):
     """Chi-square (ALPHA = 0.001) on the 2nd generated token, whose exact marginal we compute with
     transformers: P(x2) = sum_x1 p(x1) p(x2 | x1), with temperature 1 and top_k = 3. Drafts: a noisy
     copy of the target, a reduced-vocabulary draft (zero q outside 200 of 320 tokens), and an EAGLE
-    head (reduced vocabulary too; its q comes from the target's features)."""
+    head (reduced vocabulary too; its q comes from the target's features). With ``stop_below`` the
+    first block holds one or two drafts, depending on q'(x1): the stop must not bias x2."""
     target = tiny_models[target]
     draft = request.getfixturevalue("tiny_eagle") / "draft" if draft_name == "eagle" else tiny_models[draft_name]
-    engine = engine_for(target, draft=draft, k=3, batch=64)
+    engine = engine_for(target, draft=draft, k=3, batch=64, draft_stop_below=stop_below)
     ids = engine.tokenizer.encode(PROMPTS[1])
     sampling = dict(temperature=1.0, top_k=3)
     n = 1500

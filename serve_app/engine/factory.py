@@ -73,10 +73,11 @@ def reads_features(config: EngineConfig, draft_path: Path) -> bool:
     return True
 
 
-def draft_proposer(runner: ModelRunner, path: Path, width: int, target_vocab: int) -> DraftModelProposer:
+def draft_proposer(runner: ModelRunner, path: Path, width: int, target_vocab: int, stop_below: float = 0.0
+                   ) -> DraftModelProposer:
     """The proposer for a draft model folder: an EAGLE head or a standalone decoder."""
     kind = EagleProposer if is_eagle_folder(path) else DraftModelProposer
-    return kind(runner, width, target_vocab=target_vocab, vocab_map=load_vocab(path))
+    return kind(runner, width, target_vocab=target_vocab, vocab_map=load_vocab(path), stop_below=stop_below)
 
 
 def eos_token_ids(model_path: Path, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -115,7 +116,8 @@ def build_engine(config: EngineConfig) -> Engine:
         check_draft(target.path, draft_path)
         features = reads_features(config, draft_path)
         draft = ModelRunner(draft_path, runner_config(config))
-        proposers["draft"] = draft_proposer(draft, draft_path, spec.draft_top_k, target.vocab_size)
+        proposers["draft"] = draft_proposer(draft, draft_path, spec.draft_top_k, target.vocab_size,
+                                            spec.draft_stop_below)
         if spec.ngram_first:
             proposers["draft"] = HybridProposer(NgramProposer(spec.ngram_min, spec.ngram_max),
                                                 proposers["draft"], spec.ngram_match)

@@ -104,7 +104,7 @@ def build_replica_engine(config: AppConfig, metrics: ServingMetrics | None = Non
         def spawn() -> Any:
             return ray.remote(DraftWorker).options(**actor_options(p, p.draft_cores, DRAFT_BUNDLE)).remote(
                 str(draft_path), runner_config(engine_cfg, "draft", p.draft_cores), spec.draft_top_k, vocab,
-                p.accelerator, engine_cfg.num_threads)
+                p.accelerator, engine_cfg.num_threads, spec.draft_stop_below)
 
         draft = RemoteDraftProposer(spawn, compiled, on_state=metrics.on_draft_state if metrics else lambda _: None)
         workers["draft"] = ray.get(draft.actor.info.remote())

@@ -20,10 +20,10 @@ class DraftWorker(WorkerBase):
     role = "draft"
 
     def __init__(self, model_path: str, runner_config: RunnerConfig, width: int, target_vocab: int,
-                 accelerator: Accelerator = "CPU", num_threads: int | None = None):
+                 accelerator: Accelerator = "CPU", num_threads: int | None = None, stop_below: float = 0.0):
         self._start(accelerator, num_threads)
         runner = build_runner(model_path, runner_config)
-        self.proposer = self.owner = draft_proposer(runner, Path(model_path), width, target_vocab)
+        self.proposer = self.owner = draft_proposer(runner, Path(model_path), width, target_vocab, stop_below)
 
     def info(self) -> WorkerInfo:
         return self._info(self.proposer.runner.vocab_size)

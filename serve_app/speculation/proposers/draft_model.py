@@ -9,6 +9,13 @@ KV bookkeeping (DESIGN.md): the draft's cache holds every token of the sequence 
 proposing d_1..d_k it holds d_1..d_{k-1} too. When the target keeps n drafts, the valid prefix is
 min(cached, len(history) - 1); the rest is rolled back by a length change. If all k were accepted,
 the draft never saw d_k: the next ``propose`` feeds it together with the target's bonus token.
+
+Dynamic block length (``stop_below``): a row stops drafting after a token the draft itself gave less
+than this probability (for a greedy row its softmax maximum, for a sampled row q'(token)), since the
+target is unlikely to keep what follows; that token is still proposed, as a verify slot costs far less
+than a draft step. The decision reads only the draft's own numbers, never the target's, so the stop
+is a stopping time of the draft's process and speculative sampling stays exact (SpecDec++, Huang et
+al. 2024, arXiv 2405.19715, makes the same decision with a trained acceptance predictor).
 """
 
 from __future__ import annotations
@@ -28,13 +35,15 @@ DRAFT_SEED_OFFSET = 0x5EED  # the draft's generator must not replay the target's
 
 class DraftModelProposer:
     def __init__(self, runner: ModelRunner, width: int = 32, target_vocab: int | None = None,
-                 vocab_map: list[int] | None = None):
+                 vocab_map: list[int] | None = None, stop_below: float = 0.0):
         """``width``: support size K of the shipped q'. ``target_vocab``: the target's vocabulary size;
         draft rows past it (padding of a larger embedding) are never proposed. ``vocab_map``: for a
         reduced-vocabulary draft (``serve_app.distill``), the target id of each draft id; one extra
-        draft row stands for every other target token on input and is never proposed."""
+        draft row stands for every other target token on input and is never proposed. ``stop_below``:
+        the dynamic block length above (0 = always draft the k asked for)."""
         self.runner = runner
         self.width = width
+        self.stop_below = stop_below
         self.history = TokenHistory()
         self.generators: dict[str, torch.Generator] = {}
         self.proposable = target_vocab  # draft logits past this column are masked
@@ -75,6 +84,7 @@ class DraftModelProposer:
         q_ids = None if greedy else torch.full((batch, k, self.width), PAD_TOKEN, dtype=torch.long)
         q_probs = None if greedy else torch.zeros((batch, k, self.width), dtype=torch.float32)
 
+        drafted = [0] * batch
         rows = [i for i in range(batch) if num_tokens[i] > 0]
         feed = [self._to_draft(self.history.tokens[seq_ids[i]][self.runner.length(seq_ids[i]):]) for i in rows]
         carry = self._catch_up([seq_ids[i] for i in rows], feed) if rows else None
@@ -86,17 +96,16 @@ class DraftModelProposer:
                 logits = logits[:, : self.proposable]  # never propose padding or input-only rows
             chosen = self._choose(logits, [seq_ids[i] for i in rows], [params[i] for i in rows])
             for r, i in enumerate(rows):
-                token, ids, probs = chosen[r]
-                tokens[i, step] = token
+                token, ids, probs = chosen[r][:3]
+                tokens[i, step], drafted[i] = token, step + 1
                 if ids is not None and q_ids is not None and q_probs is not None:
                     q_ids[i, step], q_probs[i, step] = ids, probs
-            # Rows that still need tokens feed the one they just drew (the last is never fed).
-            keep = [r for r, i in enumerate(rows) if step + 1 < num_tokens[i]]
+            # Rows that still need tokens, and trust the one they just drew, feed it (the last is never fed).
+            keep = [r for r, i in enumerate(rows) if step + 1 < num_tokens[i] and chosen[r][3] >= self.stop_below]
             feed = [self._to_draft([int(tokens[rows[r], step])]) for r in keep]
             carry = None if carry is None else carry[keep]
             rows = [rows[r] for r in keep]
-        lengths = torch.tensor([min(n, k) for n in num_tokens], dtype=torch.long)
-        return ProposalBlock(tuple(seq_ids), tokens, lengths, q_ids, q_probs)
+        return ProposalBlock(tuple(seq_ids), tokens, torch.tensor(drafted, dtype=torch.long), q_ids, q_probs)
 
     def _catch_up(self, seq_ids: Sequence[str], feed: Sequence[Sequence[int]]) -> torch.Tensor | None:
         """What the first step feeds besides tokens (an EAGLE head's features); None for a decoder."""
@@ -112,13 +121,17 @@ class DraftModelProposer:
 
     def _choose(
         self, logits: torch.Tensor, seq_ids: Sequence[str], params: Sequence[SamplingParams]
-    ) -> list[tuple[int, torch.Tensor | None, torch.Tensor | None]]:
-        """Per row: (token, q' support ids, q' probs); the q' entries are None for greedy rows."""
+    ) -> list[tuple[int, torch.Tensor | None, torch.Tensor | None, float]]:
+        """Per row: (token, q' support ids, q' probs, the draft's probability of the token); the q'
+        entries are None for greedy rows, and the probability is 1 unless ``stop_below`` is set."""
         to_target = self.to_target
-        argmax = logits.argmax(dim=-1).cpu()  # only ids leave the device
+        argmax = logits.argmax(dim=-1).cpu()  # only ids (and, to stop early, the top probability) leave the device
+        top = torch.softmax(logits.float(), dim=-1).amax(dim=-1).cpu().tolist() if self.stop_below \
+            else [1.0] * len(logits)
         if to_target is not None:
             argmax = to_target[argmax]
-        out: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = [(int(t), None, None) for t in argmax]
+        out: list[tuple[int, torch.Tensor | None, torch.Tensor | None, float]] = [
+            (int(t), None, None, p) for t, p in zip(argmax, top, strict=True)]
         sampled = [r for r, p in enumerate(params) if not p.greedy]
         if sampled:
             probs = probabilities(logits[sampled].cpu()[:, None], [params[r] for r in sampled])[:, 0]
@@ -127,7 +140,7 @@ class DraftModelProposer:
                 ids = torch.where(ids >= 0, to_target[ids.clamp(min=0)], ids)
             for j, r in enumerate(sampled):
                 pick = torch.multinomial(q[j], 1, generator=self.generators[seq_ids[r]])
-                out[r] = (int(ids[j, pick]), ids[j], q[j])
+                out[r] = (int(ids[j, pick]), ids[j], q[j], float(q[j, pick]))
         return out
 
     def observe(self, result: VerifyResult) -> None:

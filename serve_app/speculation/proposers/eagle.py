@@ -20,8 +20,9 @@ from serve_app.speculation.types import FEATURE_DTYPE, SamplingParams, VerifyRes
 
 
 class EagleProposer(DraftModelProposer):
-    def __init__(self, runner, width: int = 32, target_vocab: int | None = None, vocab_map: list[int] | None = None):
-        super().__init__(runner, width, target_vocab, vocab_map)
+    def __init__(self, runner, width: int = 32, target_vocab: int | None = None, vocab_map: list[int] | None = None,
+                 stop_below: float = 0.0):
+        super().__init__(runner, width, target_vocab, vocab_map, stop_below)
         self.feature_size: int = runner.model.feature_size
         self.pending: dict[str, list[torch.Tensor]] = {}  # true features not fed yet, oldest first
 
