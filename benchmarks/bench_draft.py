@@ -2,9 +2,10 @@
 
 Prompts: open-ended chat prompts the draft never trained on, and input-grounded ones (repeat or edit
 given text); greedy and temperature 0.7; single stream. Also the cost of one draft step relative
-to one target step (batch 1, one token, after a 256-token context).
+to one target step (batch 1, one token, after a 256-token context). Rows marked "stop" draft up to k
+but stop a block after a token the draft gave less than ``--stop-below`` (``draft_stop_below``).
 
-    python benchmarks/bench_draft.py [--draft smollm2-135m-instruct-eagle] [--ks 1,2,3,4] [--max-tokens 128]
+    python benchmarks/bench_draft.py [--draft smollm2-135m-instruct-eagle] [--ks 1,2,3,4] [--stop-below 0.5]
 
 Prints a table, writes benchmarks/results/draft.json.
 """
@@ -70,6 +71,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", default="smollm2-135m-instruct-eagle")
     ap.add_argument("--ks", default="1,2,3,4")
+    ap.add_argument("--stop-below", type=float, default=0.5, help="draft_stop_below of the 'stop' rows")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
@@ -83,17 +85,21 @@ def main() -> None:
     suites = {name: [chat_ids(engine.tokenizer, p) for p in texts] for name, texts in SUITES.items()}
     engine.generate([suites["open"][0]], GenerationParams(max_tokens=8))  # warm-up
 
-    configs = [("plain", "none", 0), ("ngram k=4", "ngram", 4)] + [
-        (f"draft k={k}", "draft", k) for k in map(int, args.ks.split(","))]
+    stop = args.stop_below
+    configs = [("plain", "none", 0, 0.0), ("ngram k=4", "ngram", 4, 0.0)] + [
+        (f"draft k={k}", "draft", k, 0.0) for k in map(int, args.ks.split(","))]
+    configs.append(("draft k=4 stop", "draft", 4, stop))
     draft = engine.proposers["draft"]
     hybrid = HybridProposer(NgramProposer(), draft)
-    configs.append(("hybrid k=4", "hybrid", 4))  # n-gram where the context matches, the draft elsewhere
+    # n-gram where the context matches, the draft elsewhere
+    configs += [("hybrid k=4", "hybrid", 4, 0.0), ("hybrid k=4 stop", "hybrid", 4, stop)]
     rows = []
     for decoding, sampling in (("greedy", SamplingParams()), ("T=0.7", SamplingParams(temperature=0.7))):
         for suite, prompts in suites.items():
             base = None
-            for name, method, k in configs:
+            for name, method, k, stop_below in configs:
                 engine.proposers["draft"] = hybrid if method == "hybrid" else draft
+                draft.stop_below = stop_below  # type: ignore[attr-defined]
                 method = "draft" if method == "hybrid" else method
                 r = run(engine, prompts, method, k, sampling, args.max_tokens)
                 base = base or r["tok_s"]
@@ -107,13 +113,13 @@ def main() -> None:
 
     print(f"\ndraft={args.draft}: one draft step {draft_ms:.2f} ms = {draft_ms / target_ms:.1%} of a target step "
           f"({target_ms:.2f} ms), {args.dtype}, {args.threads} threads, {args.max_tokens} tokens, batch 1")
-    print(f"{'decoding':8} {'suite':9} {'config':10} {'tok/s':>7} {'x plain':>8} {'mean acc len':>12} {'acc rate':>8}")
+    print(f"{'decoding':8} {'suite':9} {'config':15} {'tok/s':>7} {'x plain':>8} {'mean acc len':>12} {'acc rate':>8}")
     for r in rows:
-        print(f"{r['decoding']:8} {r['suite']:9} {r['config']:10} {r['tok_s']:>7.1f} {r['ratio_vs_plain']:>8.2f} "
+        print(f"{r['decoding']:8} {r['suite']:9} {r['config']:15} {r['tok_s']:>7.1f} {r['ratio_vs_plain']:>8.2f} "
               f"{r['mean_acceptance_length']:>12.2f} {r['acceptance_rate']:>8.2f}")
     print("\nmixed prompts (mean tok/s over both suites):")
     for (decoding, name), values in mixed.items():
-        print(f"  {decoding:8} {name:10} {statistics.mean(values):7.1f}")
+        print(f"  {decoding:8} {name:15} {statistics.mean(values):7.1f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "draft_step_ms": draft_ms, "target_step_ms": target_ms,

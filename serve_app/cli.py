@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from serve_app.config import EngineConfig, SpeculationConfig
+from serve_app.config import EngineConfig, SpeculationConfig, auto_speculation
 from serve_app.engine.engine import RequestError
 from serve_app.engine.request import GenerationParams
 from serve_app.models.runner import ModelLoadError
@@ -23,8 +23,14 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt with speculative decoding")
     p.add_argument("prompt")
     p.add_argument("--model", default=DEFAULT_MODEL, help="target: HF folder, .gguf file or embedded name")
-    p.add_argument("--draft", default="ngram", help="draft model source, 'ngram' or 'none'")
+    p.add_argument("--draft", default="auto",
+                   help="draft model source, 'ngram', 'none' or 'auto': for the embedded model its shipped EAGLE "
+                        "head with --ngram-first and --draft-stop-below 0.5, n-gram lookup for other models")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="block size k (0 = plain decoding)")
+    p.add_argument("--ngram-first", action="store_true",
+                   help="with a draft model: n-gram lookup where the context matches, the draft elsewhere")
+    p.add_argument("--draft-stop-below", type=float, default=None,
+                   help="a draft model stops a block after a token it gave less than this probability")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -48,6 +54,15 @@ def _check_sampling(args: argparse.Namespace) -> None:
         raise SystemExit("--max-tokens must be >= 1")
 
 
+def speculation(args: argparse.Namespace) -> dict:
+    keys = auto_speculation(args.model) if args.draft == "auto" else {"draft": args.draft}
+    if args.ngram_first:
+        keys["ngram_first"] = True
+    if args.draft_stop_below is not None:
+        keys["draft_stop_below"] = args.draft_stop_below
+    return keys
+
+
 def generate(args: argparse.Namespace) -> int:
     from serve_app.engine.factory import build_engine  # torch import only when needed
 
@@ -59,7 +74,7 @@ def generate(args: argparse.Namespace) -> int:
             max_batch_size=1,
             max_seq_len=4096,
             num_threads=args.threads,
-            speculation=SpeculationConfig(draft=args.draft, num_speculative_tokens=args.num_speculative_tokens),
+            speculation=SpeculationConfig(num_speculative_tokens=args.num_speculative_tokens, **speculation(args)),
         )
         engine = build_engine(config)
     except ValidationError as e:

@@ -9,6 +9,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from serve_app.models.sources import DEFAULT_MODEL
 
 SpeculationMethod = Literal["draft", "ngram", "none"]
+# `--draft auto` and configs/local.yaml for the embedded model: its shipped EAGLE head, n-gram lookup
+# where the context matches, blocks cut where the head is unsure. The fastest on mixed prompts in
+# benchmarks/bench_draft.py, greedy and sampled (serve_app/drafts/README.md).
+EMBEDDED_SPECULATION = {"draft": "smollm2-135m-instruct-eagle", "ngram_first": True, "draft_stop_below": 0.5}
+
+
+def auto_speculation(model: str) -> dict:
+    """Speculation keys for ``--draft auto``: the shipped pairing for the embedded model, n-gram
+    lookup (needs no draft) for any other."""
+    return dict(EMBEDDED_SPECULATION) if model == DEFAULT_MODEL else {"draft": "ngram"}
 
 
 class StrictModel(BaseModel):

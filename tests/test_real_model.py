@@ -71,6 +71,28 @@ def test_shipped_eagle_head_is_lossless_and_accepts(smollm2_path, prompts):
 
     head = resolve("smollm2-135m-instruct-eagle")
     assert any("EAGLE head" in note for note in check_draft(smollm2_path, head))
-    # a trained head, not noise: here it is accepted for 14 % of its drafts (53 of 369) and an untrained
-    # one (init_eagle) for none of 556; benchmarks measured 0.10 (open) and 0.12 (grounded) at k = 4
-    assert lossless_acceptance_rate(smollm2_path, head, prompts) > 0.06
+    # a trained head, not noise: here (fp32, greedy, so deterministic) it is accepted for 0.179 of its
+    # drafts, the head before its unrolled fine-tune for 0.144 and an untrained one (init_eagle) for none
+    # of 556; benchmarks measured 0.12 (open) and 0.13 (grounded) at k = 4
+    assert lossless_acceptance_rate(smollm2_path, head, prompts) > 0.12
+
+
+def test_cli_default_is_the_shipped_pairing_and_lossless():
+    """``generate`` without ``--draft`` on the embedded model: its EAGLE head with n-gram lookup first and
+    blocks cut where the head is unsure (``--draft auto``); greedy output equal to plain decoding in
+    float32 (in bf16, the default, verifying a block rounds differently: README, "Lossless")."""
+    import json
+    import subprocess
+    import sys
+
+    def run(*extra: str) -> dict:
+        args = ["Write a haiku about autumn leaves.", "--chat", "--max-tokens", "32", "--dtype", "float32",
+                "--threads", "2", "--json", *extra]
+        proc = subprocess.run([sys.executable, "-m", "serve_app", "generate", *args],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout)
+
+    default, plain = run(), run("--draft", "none")
+    assert default["token_ids"] == plain["token_ids"]
+    assert default["stats"]["num_draft_tokens"] > 0 and plain["stats"]["num_draft_tokens"] == 0

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from serve_app.builder import ConfigError, parse_config
+from serve_app.config import EMBEDDED_SPECULATION
 from serve_app.serving.replica import replica_bundles
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -37,10 +38,13 @@ def test_trainium_reference_setup():
     assert bundles[1]["neuron_cores"] == 32 and bundles[2]["neuron_cores"] == 4
 
 
-def test_ngram_config_has_no_draft_bundle():
+def test_local_config_is_the_embedded_pairing_and_ngram_needs_no_draft_bundle():
     config = parse_config(app_args("local.yaml"))
-    assert config.engine.speculation.method == "ngram"
-    assert len(replica_bundles(config)) == 2
+    spec = config.engine.speculation
+    assert {key: getattr(spec, key) for key in EMBEDDED_SPECULATION} == EMBEDDED_SPECULATION  # = --draft auto
+    assert spec.method == "draft" and len(replica_bundles(config)) == 3
+    ngram = parse_config({"engine": {"speculation": {"draft": "ngram"}}})
+    assert len(replica_bundles(ngram)) == 2
 
 
 @pytest.mark.parametrize(
