@@ -1,11 +1,13 @@
 """The trained draft against plain decoding and n-gram lookup, on the embedded model, in one run.
 
 Prompts: open-ended chat prompts the draft never trained on, and input-grounded ones (repeat or edit
-given text); greedy and temperature 0.7; single stream. Also the cost of one draft step relative
-to one target step (batch 1, one token, after a 256-token context). Rows marked "stop" draft up to k
-but stop a block after a token the draft gave less than ``--stop-below`` (``draft_stop_below``).
+given text); greedy and temperature 0.7; one request at a time unless ``--batch``. Also the cost of
+one draft step relative to one target step (batch 1, one token, after a 256-token context). Rows
+marked "stop" draft up to k but stop a block after a token the draft gave less than ``--stop-below``
+(``draft_stop_below``).
 
     python benchmarks/bench_draft.py [--draft smollm2-135m-instruct-eagle] [--ks 1,2,3,4] [--stop-below 0.5]
+        [--batch 1]  # --batch 4: each suite's four prompts decoded together
 
 Prints a table, writes benchmarks/results/draft.json.
 """
@@ -53,15 +55,16 @@ def step_ms(path: Path, dtype: str) -> float:
     return statistics.median(times) * 1e3
 
 
-def run(engine, prompts, method: str, k: int, sampling: SamplingParams, max_tokens: int) -> dict:
+def run(engine, prompts, method: str, k: int, sampling: SamplingParams, max_tokens: int, batch: int = 1) -> dict:
     stats, tokens = SpecStats(), 0
     start = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        s = sampling if sampling.greedy else SamplingParams(sampling.temperature, seed=i)
-        out = engine.generate([ids], GenerationParams(max_tokens=max_tokens, method=method,
-                                                      num_speculative_tokens=k, sampling=s))[0]
-        stats.merge(out.stats)
-        tokens += len(out.token_ids)
+    for lo in range(0, len(prompts), batch):  # `batch` requests at once
+        params = [GenerationParams(max_tokens=max_tokens, method=method, num_speculative_tokens=k, sampling=
+                                   sampling if sampling.greedy else SamplingParams(sampling.temperature, seed=lo + i))
+                  for i in range(len(prompts[lo: lo + batch]))]
+        for out in engine.generate(prompts[lo: lo + batch], params):
+            stats.merge(out.stats)
+            tokens += len(out.token_ids)
     elapsed = time.perf_counter() - start
     return {"tokens": tokens, "tok_s": tokens / elapsed, "mean_acceptance_length": stats.mean_acceptance_length,
             "acceptance_rate": stats.acceptance_rate}
@@ -73,12 +76,13 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,3,4")
     ap.add_argument("--stop-below", type=float, default=0.5, help="draft_stop_below of the 'stop' rows")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1, help="requests decoded together (tok/s is their total)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "draft.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    engine = build_engine(EngineConfig(dtype=args.dtype, max_batch_size=1, max_seq_len=1024, speculation=
+    engine = build_engine(EngineConfig(dtype=args.dtype, max_batch_size=args.batch, max_seq_len=1024, speculation=
                                        SpeculationConfig(draft=args.draft, num_speculative_tokens=4)))
     target_ms = step_ms(engine.verifier.runner.path, args.dtype)
     draft_ms = step_ms(engine.proposers["draft"].runner.path, args.dtype)  # type: ignore[attr-defined]
@@ -101,7 +105,7 @@ def main() -> None:
                 engine.proposers["draft"] = hybrid if method == "hybrid" else draft
                 draft.stop_below = stop_below  # type: ignore[attr-defined]
                 method = "draft" if method == "hybrid" else method
-                r = run(engine, prompts, method, k, sampling, args.max_tokens)
+                r = run(engine, prompts, method, k, sampling, args.max_tokens, args.batch)
                 base = base or r["tok_s"]
                 rows.append({"decoding": decoding, "suite": suite, "config": name, **{
                     key: round(v, 3) for key, v in r.items()}, "ratio_vs_plain": round(r["tok_s"] / base, 3)})
@@ -112,7 +116,7 @@ def main() -> None:
         mixed.setdefault(key, []).append(r["tok_s"])
 
     print(f"\ndraft={args.draft}: one draft step {draft_ms:.2f} ms = {draft_ms / target_ms:.1%} of a target step "
-          f"({target_ms:.2f} ms), {args.dtype}, {args.threads} threads, {args.max_tokens} tokens, batch 1")
+          f"({target_ms:.2f} ms), {args.dtype}, {args.threads} threads, {args.max_tokens} tokens, batch {args.batch}")
     print(f"{'decoding':8} {'suite':9} {'config':15} {'tok/s':>7} {'x plain':>8} {'mean acc len':>12} {'acc rate':>8}")
     for r in rows:
         print(f"{r['decoding']:8} {r['suite']:9} {r['config']:15} {r['tok_s']:>7.1f} {r['ratio_vs_plain']:>8.2f} "
