@@ -119,6 +119,10 @@ def _distill_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--unroll", type=int, default=4,
                    help="eagle: drafting steps trained, each reading the previous step's prediction "
                         "(1: true features only)")
+    p.add_argument("--taps", default=None,
+                   help="eagle: comma-separated layer counts after which the target's residual stream is fused "
+                        "with its final state (EAGLE-3); 'none' for the final state alone; default: the --init "
+                        "head's, else after 2 and half of the target's layers")
     p.add_argument("--init", default=None, help="start from this trained draft folder (same target and data)")
     p.add_argument("--max-steps", type=int, default=None, help="also stop after N steps (schedule by steps)")
     p.add_argument("--arch", choices=["eagle", "decoder"], default="eagle",
@@ -137,6 +141,17 @@ def _distill_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None)
 
 
+def _taps(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--taps {text!r}: expected comma-separated layer counts such as 2,15, or none") from None
+
+
 def distill(args: argparse.Namespace) -> int:
     import torch
 
@@ -148,6 +163,7 @@ def distill(args: argparse.Namespace) -> int:
     run(DistillConfig(
         target=args.target, out=Path(args.out), minutes=args.minutes, max_steps=args.max_steps, arch=args.arch,
         vocab_size=args.vocab_size, unroll=args.unroll, init=Path(args.init) if args.init else None,
+        taps=_taps(args.taps),
         max_prompts=args.max_prompts, samples_per_prompt=args.samples_per_prompt, synth_prompts=args.synth_prompts,
         gen_batch=args.gen_batch,
         max_new_tokens=args.max_new_tokens, text_docs=args.text_docs, batch_size=args.batch_size, lr=args.lr,

@@ -19,7 +19,7 @@ from serve_app.distill.eagle import load_eagle, unrolled
 from serve_app.distill.train import DistillConfig, distill
 from serve_app.engine.factory import reads_features
 from serve_app.engine.request import GenerationParams
-from serve_app.models.eagle import EagleHead
+from serve_app.models.eagle import EagleHead, folder_fuse_layers
 from serve_app.models.runner import ModelRunner, RunnerConfig
 from serve_app.speculation.compatibility import DraftMismatchError, check_draft, load_vocab
 from serve_app.speculation.proposers.eagle import EagleProposer
@@ -38,10 +38,13 @@ PROMPTS = [
 
 def test_pipeline_writes_a_servable_eagle_head(tiny_models, tiny_eagle):
     head = tiny_eagle / "draft"
-    for name in ("features.pt", "checkpoint.pt", "draft/eagle_fc.safetensors", "draft/draft_vocab.json"):
+    for name in ("features.pt", "features_after_1.pt", "checkpoint.pt", "draft/eagle_fc.safetensors",
+                 "draft/draft_vocab.json"):
         assert (tiny_eagle / name).is_file(), name
+    assert folder_fuse_layers(head) == (1,)  # default taps for a 2-layer target: after its first layer
     notes = check_draft(tiny_models["llama"], head)
-    assert any("EAGLE head" in n for n in notes) and any("reduced vocabulary" in n for n in notes)
+    assert any("EAGLE head: the target ships its hidden states (its residual streams after 1 layers" in n
+               for n in notes) and any("reduced vocabulary" in n for n in notes)
     runner = ModelRunner(head, RunnerConfig())
     assert isinstance(runner.model, EagleHead)
     runner.add("s")
@@ -71,9 +74,11 @@ def test_training_unrolls_drafting_exactly_as_the_served_head_drafts(tiny_eagle)
     runner = ModelRunner(head, RunnerConfig(max_seq_len=64))
     gen = torch.Generator().manual_seed(0)
     n, steps = 14, 4
+    width = (len(folder_fuse_layers(head)) + 1) * 64  # the fixture's head fuses a tapped layer (EAGLE-3)
+    assert width > 64
     tokens = torch.randint(0, len(load_vocab(head)), (n,), generator=gen)
-    true = torch.randn(n, 64, generator=gen)  # any features will do: this checks the computation
-    shifted = torch.cat((torch.zeros(1, 64), true[:-1]))
+    true = torch.randn(n, width, generator=gen)  # any features will do: this checks the computation
+    shifted = torch.cat((torch.zeros(1, width), true[:-1]))
     chains = unrolled(trained, tokens[None], shifted[None], steps)
     hf_hidden, hf_logits = trained(tokens[None], shifted[None], torch.ones(1, n, dtype=torch.long))
     assert torch.allclose(chains[0][1], hf_logits, atol=1e-4)  # step 0: the plain teacher-forced forward
@@ -110,6 +115,7 @@ def test_incremental_proposals_equal_a_recomputation_from_scratch(tiny_models, t
     target_path, head = tiny_models["llama"], tiny_eagle / "draft"
     cfg = RunnerConfig(max_batch_size=4, max_seq_len=256)
     oracle = ModelRunner(target_path, cfg)
+    taps = folder_fuse_layers(head)
     vocab_size = oracle.vocab_size
 
     def proposer() -> EagleProposer:
@@ -117,7 +123,7 @@ def test_incremental_proposals_equal_a_recomputation_from_scratch(tiny_models, t
 
     def features(tokens: list[int]) -> torch.Tensor:  # the target's features at every position
         oracle.add("x")
-        f = oracle.prefill("x", tokens)
+        f = oracle.prefill("x", tokens, taps=taps)
         oracle.release("x")
         return f
 
@@ -141,7 +147,7 @@ def test_incremental_proposals_equal_a_recomputation_from_scratch(tiny_models, t
         block = incremental.propose(ids, wanted)
         output = torch.full((len(ids), k + 1), -1, dtype=torch.long)
         accepted = torch.zeros(len(ids), dtype=torch.long)
-        feats = torch.zeros((len(ids), k + 1, 64), dtype=torch.float16)
+        feats = torch.zeros((len(ids), k + 1, (len(taps) + 1) * 64), dtype=torch.float16)
         for i, s in enumerate(ids):
             n_drafted = int(block.num_draft_tokens[i])
             drafts = block.draft_tokens[i, :n_drafted].tolist()
@@ -173,7 +179,71 @@ def test_a_head_for_another_target_or_backend_is_refused(tmp_path, tiny_models, 
     with pytest.raises(DraftMismatchError, match="EAGLE head: it reads features of size 64 but the target's "
                                                   "hidden_size is 96"):
         check_draft(other, tiny_eagle / "draft")
+    shallow = make_tiny_model(tmp_path / "shallow", "llama", layers=1)
+    with pytest.raises(DraftMismatchError, match=r"eagle_fuse_layers \[1\] taps the target after layer counts "
+                                                  r"outside 1..0"):
+        check_draft(shallow, tiny_eagle / "draft")
     config = EngineConfig(model=str(tiny_models["llama"]), backend="neuron",
                           speculation=SpeculationConfig(draft=str(tiny_eagle / "draft")))
     with pytest.raises(ValueError, match="speculation.draft: .* EAGLE head"):
         reads_features(config, tiny_eagle / "draft")
+
+
+@torch.no_grad()
+def test_target_taps_are_the_residual_streams_hf_reports(tmp_path):
+    """What an EAGLE-3 head fuses: the target's stream after t layers is HF's ``hidden_states[t]``,
+    RMS-normalised; the final state follows them, the logits come from it, and a pass cut at the deepest
+    tap gives the same."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(tmp_path / "deep", "llama", layers=4)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = [5, 9, 11, 40, 7, 3]
+    ref = hf(torch.tensor([ids]), output_hidden_states=True)
+    runner = ModelRunner(path, RunnerConfig())
+    runner.add("s")
+    got = runner.prefill("s", ids[:4], taps=(1, 3))
+    logits, tail = runner.forward_hidden(["s"], [ids[4:]], logits="all", taps=(1, 3))
+    got = torch.cat((got, tail[0]))
+    for j, t in enumerate((1, 3)):
+        stream = ref.hidden_states[t][0]
+        normed = stream / stream.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+        assert torch.allclose(got[:, 64 * j: 64 * (j + 1)], normed, atol=1e-4), t
+    assert torch.allclose(got[:, -64:], ref.hidden_states[-1][0], atol=1e-4)  # HF's last one is normed
+    assert torch.allclose(logits[0], ref.logits[0, 4:], atol=1e-3)
+    runner.add("cut")
+    cut, _ = runner._hidden(["cut"], [ids], taps=(1, 3), depth=3)
+    assert torch.allclose(cut[0], got[:, :128], atol=1e-5)
+
+
+@torch.no_grad()
+def test_a_head_given_taps_drafts_as_before_until_trained(tmp_path, tiny_models):
+    """``add_taps`` starts ``reduce`` as a pass-through of the final state, so a trained head can be
+    extended to fuse the target's layers and fine-tuned without losing what it knew; served too."""
+    from serve_app.distill.eagle import init_eagle, save_eagle
+
+    target = tiny_models["llama"]
+    vocab = list(range(200))
+    head = init_eagle(target, vocab).eval()
+    with torch.no_grad():
+        head.fc.weight.normal_(0, 0.1)  # not a pass-through itself
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 200, (1, 9), generator=gen)
+    final, tapped = torch.randn(1, 9, 64, generator=gen), torch.randn(1, 9, 64, generator=gen) * 30
+    mask = torch.ones(1, 9, dtype=torch.long)
+    save_eagle(head, vocab, target, tmp_path / "plain")  # rounds the head's layer to bf16, as served
+    before = head(tokens, final, mask)[1]
+    head.add_taps((1,))
+    assert torch.allclose(head(tokens, torch.cat((tapped, final), -1), mask)[1], before, atol=1e-5)
+    save_eagle(head, vocab, target, tmp_path / "tapped")
+    assert folder_fuse_layers(tmp_path / "tapped") == (1,) and folder_fuse_layers(tmp_path / "plain") == ()
+    served = []
+    for name, feats in (("plain", final), ("tapped", torch.cat((tapped, final), -1))):
+        runner = ModelRunner(tmp_path / name, RunnerConfig(dtype="float32"))
+        runner.add("s")
+        served.append(runner.forward(["s"], [tokens[0].tolist()], logits="all", features=feats))
+    assert torch.allclose(served[0], served[1], atol=1e-3)
+    with pytest.raises(ValueError, match=r"--taps \[\]: the head in --init .* fuses the target's layers \[1\]"):
+        distill(DistillConfig(target=str(target), out=tmp_path / "run", arch="eagle", init=tmp_path / "tapped",
+                              taps=(), max_steps=1, vocab_size=200, max_prompts=1, samples_per_prompt=1,
+                              max_new_tokens=4, text_docs=1, text_tokens=16, batch_size=1, gen_batch=2))

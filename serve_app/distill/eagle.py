@@ -16,6 +16,10 @@ step's prediction and attending exactly as the served head's KV cache would (the
 where the draft began, then the draft's own), so training sees what drafting sees. Each step's loss
 (cross-entropy plus the feature loss against the target's feature at the same position) is weighted
 0.8^s (``train.STEP_DECAY``).
+
+With fused layers (``fuse_layers``, EAGLE-3) the true features are the target's tapped residual
+streams and its final state, folded by ``reduce``; it starts as a pass-through of the final state, so
+a head trained on the final state alone can be extended and fine-tuned without losing what it knows.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
 from serve_app.distill.draft_model import init_draft, save_draft
-from serve_app.models.eagle import FC_FILE, FEATURE_KEY
+from serve_app.models.eagle import FC_FILE, FEATURE_KEY, FUSE_KEY, fuse_layers
 
 
 class EagleDraft(nn.Module):
@@ -38,11 +42,30 @@ class EagleDraft(nn.Module):
         self.lm = lm
         hidden = lm.config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.reduce: nn.Linear | None = None
+        if fuse_layers(lm.config):
+            self.add_taps(fuse_layers(lm.config))
+
+    def add_taps(self, taps: tuple[int, ...]) -> None:
+        """Read the target's residual streams after these layer counts too, through a ``reduce`` that
+        starts as a pass-through of the final state (the head computes what it did before)."""
+        hidden = self.lm.config.hidden_size
+        self.reduce = nn.Linear((len(taps) + 1) * hidden, hidden, bias=False)
+        with torch.no_grad():
+            self.reduce.weight.zero_()
+            self.reduce.weight[:, -hidden:] = torch.eye(hidden)
+        setattr(self.lm.config, FUSE_KEY, list(taps))
+
+    def true_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features as the head reads them: its tapped streams and final state folded by
+        ``reduce`` when it taps layers (``models.eagle``)."""
+        return features if self.reduce is None else self.reduce(features)
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, attention_mask: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(predicted features ``[b, T, hidden]``, logits ``[b, T, vocab]``); features[:, j] is the
         target's feature at position j - 1 (zeros at 0)."""
+        features = self.true_features(features)
         x = self.fc(torch.cat((self.lm.model.embed_tokens(input_ids), features), dim=-1))
         hidden = self.lm.model(inputs_embeds=x, attention_mask=attention_mask).last_hidden_state
         return hidden, self.lm.lm_head(hidden)
@@ -75,7 +98,7 @@ def unrolled(draft: EagleDraft, input_ids: torch.Tensor, features: torch.Tensor,
     pos = torch.arange(T, device=embeds.device)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
-    out, feed = [], features
+    out, feed = [], draft.true_features(features)
     for s in range(steps):
         x = draft.fc(torch.cat((embeds, feed), dim=-1))
         h = layer.input_layernorm(x)
@@ -104,24 +127,36 @@ def unrolled(draft: EagleDraft, input_ids: torch.Tensor, features: torch.Tensor,
     return out
 
 
-def init_eagle(target_path: Path, vocab: list[int]) -> EagleDraft:
-    """One layer initialised from the target's last, its final norm, and its embedding rows."""
+def init_eagle(target_path: Path, vocab: list[int], taps: tuple[int, ...] = ()) -> EagleDraft:
+    """One layer initialised from the target's last, its final norm, and its embedding rows; reading
+    the target's streams after ``taps`` layers too when given."""
     from transformers import AutoConfig
 
     last = AutoConfig.from_pretrained(target_path).num_hidden_layers - 1
     lm = init_draft(target_path, vocab, layers=(last,))
     setattr(lm.config, FEATURE_KEY, lm.config.hidden_size)
-    return EagleDraft(lm)
+    draft = EagleDraft(lm)
+    if taps:
+        draft.add_taps(taps)
+    return draft
 
 
 def save_eagle(draft: EagleDraft, vocab: list[int], target_path: Path, out: Path,
                dtype: torch.dtype = torch.bfloat16) -> None:
     save_draft(draft.lm, vocab, target_path, out, dtype)
-    save_file({f"fc.{k}": v.detach().to(dtype).contiguous() for k, v in draft.fc.state_dict().items()}, out / FC_FILE)
+    parts = {"fc": draft.fc, "reduce": draft.reduce}
+    save_file({f"{name}.{k}": v.detach().to(dtype).contiguous()
+               for name, part in parts.items() if part is not None for k, v in part.state_dict().items()},
+              out / FC_FILE)
 
 
 def load_eagle(path: Path) -> EagleDraft:
     """A saved head, to train further (``distill --init``)."""
     draft = EagleDraft(LlamaForCausalLM.from_pretrained(path, dtype=torch.float32))
-    draft.fc.load_state_dict({k.removeprefix("fc."): v.float() for k, v in load_file(path / FC_FILE).items()})
+    weights = load_file(path / FC_FILE)
+    for name in ("fc", "reduce"):
+        part = getattr(draft, name)
+        if part is not None:
+            part.load_state_dict({k.removeprefix(f"{name}."): v.float() for k, v in weights.items()
+                                  if k.startswith(f"{name}.")})
     return draft

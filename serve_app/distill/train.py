@@ -6,7 +6,9 @@ Phases, each saved in ``--out`` so an interrupted run resumes where it stopped:
    (topics and instructions never trained on) for evaluation; stdlib docstrings as plain text.
 2. teacher.pt: the target teacher-forced over every sequence in batches; per position the top-K of
    its distribution, mapped into the draft's reduced vocabulary (chosen from token frequencies).
-3. features.pt (``--arch eagle`` only): the target's final-norm hidden state at every position.
+3. features.pt (``--arch eagle`` only): the target's final-norm hidden state at every position, and
+   features_after_A_B.pt: its residual streams after A and B layers, which the head fuses with it
+   (``--taps``, EAGLE-3; from a pass that stops after the deeper one).
 4. checkpoint.pt + draft/: the draft trained on soft cross-entropy to those distributions: a small
    decoder (``draft_model.py``, ``--arch decoder``) or an EAGLE head reading the target's features
    (``eagle.py``, ``--arch eagle``, plus a smooth-L1 loss on the predicted feature, with its
@@ -36,8 +38,10 @@ from transformers import LlamaForCausalLM
 from serve_app.config import EngineConfig, SpeculationConfig
 from serve_app.distill.draft_model import coverage, init_draft, save_draft, select_vocab
 from serve_app.distill.eagle import init_eagle, load_eagle, save_eagle, unrolled
+from serve_app.distill.features import head_taps, target_features, with_taps
 from serve_app.distill.prompts import chat_prompts, stdlib_text, usable_prompts, user_turn_prefix
 from serve_app.engine.request import GenerationParams
+from serve_app.models.eagle import fuse_layers
 from serve_app.models.runner import ModelRunner, RunnerConfig
 from serve_app.models.sources import resolve
 from serve_app.speculation.compatibility import load_vocab
@@ -70,6 +74,7 @@ class DistillConfig:
     feature_noise: float = 0.2  # EAGLE: uniform noise of this width on input features
     feature_loss: float = 1.0  # EAGLE: weight of the smooth-L1 feature loss (cross-entropy has 1)
     unroll: int = 4  # EAGLE: drafting steps trained, each reading the previous one's prediction (1: true features only)
+    taps: tuple[int, ...] | None = None  # EAGLE: target layer counts fused with its final state (None: default_taps)
     init: Path | None = None  # start from this trained draft folder (same target, same vocabulary)
     seed: int = 0
 
@@ -185,30 +190,6 @@ def teacher(cfg: DistillConfig, target_path: Path, data: dict, vocab: list[int])
     return result
 
 
-@torch.inference_mode()
-def target_features(target_path: Path, teach: dict) -> dict:
-    """Per item, the target's final-norm hidden states over ``ids[:-1]`` (bf16, as it serves)."""
-    runner = ModelRunner(target_path, RunnerConfig(dtype="bfloat16", max_batch_size=8, max_seq_len=1024))
-    result = {}
-    for split in ("train", "heldout"):
-        items, feats, start, tokens = teach[split], [], time.perf_counter(), 0
-        for lo in range(0, len(items), 8):
-            batch = items[lo: lo + 8]
-            ids = [f"f{lo + i}" for i in range(len(batch))]
-            for s in ids:
-                runner.add(s)
-            hidden, lengths = runner._hidden(ids, [it["ids"][:-1].tolist() for it in batch])
-            for s in ids:
-                runner.release(s)
-            feats += [hidden[i, :n].clone() for i, n in enumerate(lengths)]
-            tokens += sum(lengths)
-            if (lo // 8) % 100 == 0:
-                say(f"[features] {split}: {lo + len(batch)}/{len(items)} sequences, "
-                    f"{tokens / (time.perf_counter() - start):.0f} tok/s")
-        result[split] = feats
-    return result
-
-
 # ---- phase 3: train -------------------------------------------------------------------------------
 def padded_inputs(items, to_draft: torch.Tensor, n_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft-vocabulary inputs [b, T] (every token but the last) and their attention mask."""
@@ -221,12 +202,12 @@ def padded_inputs(items, to_draft: torch.Tensor, n_vocab: int) -> tuple[torch.Te
     return inputs, mask
 
 
-def padded_features(feats: list[torch.Tensor], T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """EAGLE inputs (the feature before each position, zeros at 0) and targets (each position's own)."""
-    hidden = feats[0].shape[-1]
-    inputs, targets = torch.zeros(len(feats), T, hidden), torch.zeros(len(feats), T, hidden)
+def padded_features(feats: list[torch.Tensor], T: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE inputs (the features before each position, zeros at 0) and targets (each position's own
+    final state: the last ``hidden`` columns, after any tapped streams)."""
+    inputs, targets = torch.zeros(len(feats), T, feats[0].shape[-1]), torch.zeros(len(feats), T, hidden)
     for i, f in enumerate(feats):
-        targets[i, : len(f)] = f.float()
+        targets[i, : len(f)] = f[:, -hidden:].float()
         inputs[i, 1: len(f)] = f[:-1].float()
     return inputs, targets
 
@@ -245,7 +226,7 @@ def eagle_steps(draft, items, feats, to_draft: torch.Tensor, n_vocab: int, steps
     """The head's drafting steps unrolled over a batch (``unrolled``): ([(features, logits)], the
     target's features, the padding mask)."""
     inputs, mask = padded_inputs(items, to_draft, n_vocab)
-    f_in, f_target = padded_features(feats, inputs.shape[1])
+    f_in, f_target = padded_features(feats, inputs.shape[1], draft.lm.config.hidden_size)
     if noise:
         f_in = f_in + (torch.rand_like(f_in) - 0.5) * noise
     return unrolled(draft, inputs, f_in, steps), f_target, mask
@@ -298,7 +279,8 @@ def expected_length(agreement: float, k: int = 4) -> float:
     return sum(agreement ** j for j in range(k + 1))
 
 
-def train(cfg: DistillConfig, target_path: Path, teach: dict, vocab: list[int], feats: dict | None = None) -> None:
+def train(cfg: DistillConfig, target_path: Path, teach: dict, vocab: list[int], feats: dict | None = None,
+          taps: tuple[int, ...] = ()) -> None:
     torch.manual_seed(cfg.seed)
     ckpt = cfg.out / "checkpoint.pt"
     eagle = cfg.arch == "eagle"
@@ -308,8 +290,11 @@ def train(cfg: DistillConfig, target_path: Path, teach: dict, vocab: list[int], 
             raise ValueError(f"--init {cfg.init}: its vocabulary differs from this run's (other data or --vocab-size)")
         draft = load_eagle(cfg.init) if eagle else LlamaForCausalLM.from_pretrained(cfg.init, dtype=torch.float32)
         say(f"[train] starting from {cfg.init}")
+        if eagle and taps and not fuse_layers(draft.lm.config):  # head_taps allowed only this change
+            draft.add_taps(taps)
+            say(f"[train] the head now fuses the target's streams after {list(taps)} layers with its final state")
     else:
-        draft = init_eagle(target_path, vocab) if eagle else init_draft(target_path, vocab)
+        draft = init_eagle(target_path, vocab, taps) if eagle else init_draft(target_path, vocab)
     n_vocab = len(vocab)
     from transformers import AutoConfig
 
@@ -379,6 +364,8 @@ def cached(path: Path, label: str, compute):
 def distill(cfg: DistillConfig) -> Path:
     cfg.out.mkdir(parents=True, exist_ok=True)
     target_path = resolve(cfg.target)
+    # a mistake in --taps fails before any phase runs
+    taps = head_taps(cfg.taps, cfg.init, target_path) if cfg.arch == "eagle" else ()
     data = cached(cfg.out / "data.pt", "data", lambda: generate(cfg, target_path))
     from transformers import AutoTokenizer
 
@@ -392,6 +379,10 @@ def distill(cfg: DistillConfig) -> Path:
     feats = None
     if cfg.arch == "eagle":
         feats = cached(cfg.out / "features.pt", "features", lambda: target_features(target_path, teach))
-    train(cfg, target_path, teach, vocab, feats)
+        if taps:
+            name = "features_after_" + "_".join(map(str, taps)) + ".pt"
+            feats = with_taps(cached(cfg.out / name, "features", lambda: target_features(target_path, teach, taps)),
+                              feats)
+    train(cfg, target_path, teach, vocab, feats, taps)
     say(f"[done] draft written to {cfg.out / 'draft'}")
     return cfg.out / "draft"

@@ -10,7 +10,7 @@ from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
 
 from serve_app.config import EngineConfig, SpeculationMethod
 from serve_app.engine.engine import Engine
-from serve_app.models.eagle import is_eagle_folder
+from serve_app.models.eagle import folder_fuse_layers, is_eagle_folder
 from serve_app.models.neuron.spec import NeuronSpec, Role
 from serve_app.models.runner import ModelRunner, RunnerConfig
 from serve_app.models.sources import resolve
@@ -110,11 +110,12 @@ def build_engine(config: EngineConfig) -> Engine:
         "none": NoProposer(),
         "ngram": NgramProposer(spec.ngram_min, spec.ngram_max),
     }
-    features = False
+    features, taps = False, ()
     if spec.method == "draft":
         draft_path = resolve(spec.draft, cache_dir)
         check_draft(target.path, draft_path)
         features = reads_features(config, draft_path)
+        taps = folder_fuse_layers(draft_path) if features else ()
         draft = ModelRunner(draft_path, runner_config(config))
         proposers["draft"] = draft_proposer(draft, draft_path, spec.draft_top_k, target.vocab_size,
                                             spec.draft_stop_below)
@@ -122,7 +123,7 @@ def build_engine(config: EngineConfig) -> Engine:
             proposers["draft"] = HybridProposer(NgramProposer(spec.ngram_min, spec.ngram_max),
                                                 proposers["draft"], spec.ngram_match)
     return Engine(
-        TargetVerifier(target, features),
+        TargetVerifier(target, features, taps),
         proposers,
         tokenizer,
         default_method=spec.method,

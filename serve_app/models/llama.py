@@ -214,16 +214,29 @@ class CausalLM(nn.Module):
         cos, sin = rope(torch.zeros(1, dtype=torch.float32, device=device), positions)
         self.cos, self.sin = cos[0].to(dtype), sin[0].to(dtype)  # [capacity + 1, head_dim]
 
-    def hidden_states(self, batch: Batch, features: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(self, batch: Batch, features: torch.Tensor | None = None, taps: tuple[int, ...] = (),
+                      depth: int | None = None) -> torch.Tensor:
         """Final-norm hidden states ``[batch, T, hidden]``; writes the batch's keys and values.
-        ``features`` is for heads that read another model's hidden states (``eagle.py``)."""
+        ``features`` is for heads that read another model's hidden states (``eagle.py``); ``taps`` and
+        ``depth`` are ``run_layers``'."""
         if features is not None:
             raise ValueError(f"{type(self).__name__} takes no features")
-        return self.run_layers(self.model.embed_tokens(batch.tokens), batch)
+        return self.run_layers(self.model.embed_tokens(batch.tokens), batch, taps, depth)
 
-    def run_layers(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, batch: Batch, taps: tuple[int, ...] = (), depth: int | None = None
+                   ) -> torch.Tensor:
+        """The final-norm hidden states, preceded on the last dim by the residual stream after the first
+        t layers for each t in ``taps`` (``[batch, T, (len(taps) + 1) * hidden]``; what an EAGLE-3 head
+        fuses), RMS-normalised without a weight: its scale grows with depth and may pass what fp16, the
+        wire's dtype, holds. ``depth``: stop after that many layers and return the taps alone."""
         cos = self.cos[batch.positions][:, :, None]  # [batch, T, 1, head_dim]
         sin = self.sin[batch.positions][:, :, None]
-        for layer, cache in zip(self.model.layers, self.caches, strict=True):
+        tapped = []
+        for n, (layer, cache) in enumerate(zip(self.model.layers, self.caches, strict=True), start=1):
             x = layer(x, cos, sin, batch, cache)
-        return self.model.norm(x)
+            if n in taps:
+                tapped.append(F.rms_norm(x.float(), (x.shape[-1],), eps=1e-6).to(x.dtype))
+            if n == depth:
+                return torch.cat(tapped, dim=-1)
+        x = self.model.norm(x)
+        return torch.cat((*tapped, x), dim=-1) if tapped else x

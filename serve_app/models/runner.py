@@ -116,10 +116,13 @@ class ModelRunner(SequenceSlots):
 
     # ---- forward ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, seq_id: str, tokens: Sequence[int], features: torch.Tensor | None = None) -> torch.Tensor:
+    def prefill(self, seq_id: str, tokens: Sequence[int], features: torch.Tensor | None = None,
+                taps: tuple[int, ...] = ()) -> torch.Tensor:
         """Cache a new sequence's first tokens; return their final-norm hidden states ``[T, hidden]``
-        (the lm_head is skipped). ``features`` ``[T, f]``: what an EAGLE head reads with the tokens."""
-        hidden, _ = self._hidden([seq_id], [tokens], None if features is None else features[None])
+        (the lm_head is skipped), preceded by the residual stream after the first t layers for each t
+        in ``taps`` (``CausalLM.run_layers``). ``features`` ``[T, f]``: what an EAGLE head reads with
+        the tokens."""
+        hidden, _ = self._hidden([seq_id], [tokens], None if features is None else features[None], taps)
         return hidden[0]
 
     @torch.inference_mode()
@@ -145,18 +148,20 @@ class ModelRunner(SequenceSlots):
         tokens: Sequence[Sequence[int]],
         logits: Literal["last", "all"] = "last",
         features: torch.Tensor | None = None,
+        taps: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward``'s logits and the final-norm hidden states they came from (same rows)."""
-        hidden, lengths = self._hidden(seq_ids, tokens, features)
+        """``forward``'s logits and the final-norm hidden states they came from (same rows), preceded
+        by the ``taps`` as in ``prefill``."""
+        hidden, lengths = self._hidden(seq_ids, tokens, features, taps)
         if logits == "last":
             last = torch.tensor(lengths, device=hidden.device) - 1
             hidden = hidden[torch.arange(len(seq_ids), device=hidden.device), last]
-        return self.model.lm_head(hidden).float(), hidden
+        return self.model.lm_head(hidden[..., -self.hf_config.hidden_size:]).float(), hidden
 
-    def _hidden(self, seq_ids: Sequence[str], tokens: Sequence[Sequence[int]],
-                features: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
+    def _hidden(self, seq_ids: Sequence[str], tokens: Sequence[Sequence[int]], features: torch.Tensor | None = None,
+                taps: tuple[int, ...] = (), depth: int | None = None) -> tuple[torch.Tensor, list[int]]:
         batch, lengths = self._make_batch(seq_ids, tokens)
-        hidden = self.model.hidden_states(batch, features)
+        hidden = self.model.hidden_states(batch, features, taps, depth)
         for seq_id, n in zip(seq_ids, lengths, strict=True):
             self._length[seq_id] += n
         return hidden, lengths

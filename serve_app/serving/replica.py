@@ -20,6 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from serve_app.config import SpeculationMethod
 from serve_app.engine.engine import Engine
 from serve_app.engine.factory import eos_token_ids, prefill_limit, reads_features, runner_config
+from serve_app.models.eagle import folder_fuse_layers
 from serve_app.models.sources import resolve
 from serve_app.serving.config import AppConfig, PlacementConfig
 from serve_app.serving.metrics import ServingMetrics
@@ -87,9 +88,10 @@ def build_replica_engine(config: AppConfig, metrics: ServingMetrics | None = Non
     if draft_path is not None:
         check_draft(target_path, draft_path)  # fails at startup, naming what differs
     features = draft_path is not None and reads_features(engine_cfg, draft_path)
+    taps = folder_fuse_layers(draft_path) if features else ()
 
     target = ray.remote(TargetWorker).options(**actor_options(p, p.target_cores, TARGET_BUNDLE)).remote(
-        str(target_path), rc, p.accelerator, engine_cfg.num_threads, features)
+        str(target_path), rc, p.accelerator, engine_cfg.num_threads, features, taps)
     workers = {"target": ray.get(target.info.remote())}  # waits for the model to load; raises its error
     tokenizer = AutoTokenizer.from_pretrained(target_path)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
 
-from serve_app.models.eagle import FEATURE_KEY
+from serve_app.models.eagle import FEATURE_KEY, FUSE_KEY, fuse_layers
 
 VOCAB_FILE = "draft_vocab.json"
 SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -68,7 +68,14 @@ def check_draft(target_path: Path, draft_path: Path) -> list[str]:
             problems.append(f"EAGLE head: it reads features of size {feature_size} but the target's hidden_size "
                             f"is {target_cfg.hidden_size} (it was trained for another target)")
         else:
-            notes.append("EAGLE head: the target ships its hidden states with every verify result")
+            taps = fuse_layers(draft_cfg)
+            tapped = f" (its residual streams after {', '.join(map(str, taps))} layers, then its final state)" \
+                if taps else ""
+            notes.append(f"EAGLE head: the target ships its hidden states{tapped} with every verify result")
+        layers = target_cfg.num_hidden_layers
+        if any(not 0 < n < layers for n in fuse_layers(draft_cfg)):
+            problems.append(f"EAGLE head: {FUSE_KEY} {list(fuse_layers(draft_cfg))} taps the target after layer "
+                            f"counts outside 1..{layers - 1} (it was trained for a deeper target)")
     if problems:
         raise DraftMismatchError(f"draft {draft_path} cannot serve target {target_path}:\n  - "
                                  + "\n  - ".join(problems))

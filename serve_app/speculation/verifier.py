@@ -6,7 +6,8 @@ at column j give p for draft j+1 (and column k the bonus distribution). p never 
 only a ``VerifyResult`` does. Rejected drafts are rolled back by a length change.
 
 With ``features=True`` (an EAGLE draft reads them) the target's final-norm hidden states travel
-too: the prompt's from ``add_sequence``, each round's in ``VerifyResult.features``.
+too, preceded by the residual streams after the first t layers for each t in ``taps`` (an EAGLE-3
+head fuses them): the prompt's from ``add_sequence``, each round's in ``VerifyResult.features``.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from serve_app.speculation.types import FEATURE_DTYPE, PAD_TOKEN, ProposalBlock,
 
 
 class TargetVerifier:
-    def __init__(self, runner: ModelRunner, features: bool = False):
+    def __init__(self, runner: ModelRunner, features: bool = False, taps: tuple[int, ...] = ()):
         self.runner = runner
         self.features = features
+        self.taps = taps
         self.params: dict[str, SamplingParams] = {}
         self.last_token: dict[str, int] = {}
         self.generators: dict[str, torch.Generator] = {}
@@ -36,7 +38,7 @@ class TargetVerifier:
 
     def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> torch.Tensor | None:
         """Prefill all prompt tokens but the last; the first round scores the last one. Returns the
-        prefilled positions' features ``[len(prompt) - 1, hidden]`` when features are on."""
+        prefilled positions' features ``[len(prompt) - 1, (len(taps) + 1) * hidden]`` when features are on."""
         if not prompt_ids:
             raise ValueError("a sequence needs at least one prompt token")
         self.runner.add(seq_id)
@@ -44,12 +46,14 @@ class TargetVerifier:
         self.last_token[seq_id] = int(prompt_ids[-1])
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         self.generators[seq_id] = torch.Generator().manual_seed(seed)
-        hidden = self.runner.prefill(seq_id, list(prompt_ids[:-1])) if len(prompt_ids) > 1 else None
+        prefix = list(prompt_ids[:-1])
         if not self.features:
+            if prefix:
+                self.runner.prefill(seq_id, prefix)
             return None
-        if hidden is None:
-            return torch.zeros((0, self.runner.hf_config.hidden_size), dtype=FEATURE_DTYPE)
-        return hidden.to("cpu", FEATURE_DTYPE)
+        if not prefix:
+            return torch.zeros((0, (len(self.taps) + 1) * self.runner.hf_config.hidden_size), dtype=FEATURE_DTYPE)
+        return self.runner.prefill(seq_id, prefix, taps=self.taps).to("cpu", FEATURE_DTYPE)
 
     def remove_sequence(self, seq_id: str) -> None:
         if seq_id in self.params:
@@ -66,7 +70,7 @@ class TargetVerifier:
         feed = [[self.last_token[s]] + drafts[i, : counts[i]].tolist() for i, s in enumerate(seq_ids)]
         features = None
         if self.features:
-            logits, hidden = self.runner.forward_hidden(seq_ids, feed, logits="all")  # [batch, k + 1, ...]
+            logits, hidden = self.runner.forward_hidden(seq_ids, feed, logits="all", taps=self.taps)  # [b, k + 1, .]
             features = hidden.to("cpu", FEATURE_DTYPE)
         else:
             logits = self.runner.forward(seq_ids, feed, logits="all")  # [batch, k + 1, vocab]

@@ -16,10 +16,10 @@ class TargetWorker(WorkerBase):
     role = "target"
 
     def __init__(self, model_path: str, runner_config: RunnerConfig, accelerator: Accelerator = "CPU",
-                 num_threads: int | None = None, features: bool = False):
-        """``features``: ship the target's hidden states to an EAGLE draft."""
+                 num_threads: int | None = None, features: bool = False, taps: tuple[int, ...] = ()):
+        """``features``: ship the target's hidden states to an EAGLE draft, after the ``taps`` it fuses."""
         self._start(accelerator, num_threads)
-        self.verifier = self.owner = TargetVerifier(build_runner(model_path, runner_config), features)
+        self.verifier = self.owner = TargetVerifier(build_runner(model_path, runner_config), features, taps)
 
     def info(self) -> WorkerInfo:
         return self._info(self.verifier.runner.vocab_size)

@@ -23,7 +23,8 @@ class EagleProposer(DraftModelProposer):
     def __init__(self, runner, width: int = 32, target_vocab: int | None = None, vocab_map: list[int] | None = None,
                  stop_below: float = 0.0):
         super().__init__(runner, width, target_vocab, vocab_map, stop_below)
-        self.feature_size: int = runner.model.feature_size
+        # the target's features: its final state, after the streams of any layers the head taps (EAGLE-3)
+        self.true_width: int = (len(runner.model.fuse_layers) + 1) * runner.model.feature_size
         self.pending: dict[str, list[torch.Tensor]] = {}  # true features not fed yet, oldest first
 
     def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
@@ -32,7 +33,7 @@ class EagleProposer(DraftModelProposer):
             raise ValueError(f"an EAGLE draft needs the target's features for the {len(prompt_ids) - 1} prefilled "
                              "prompt tokens (a TargetVerifier started with features=True)")
         self._track(seq_id, prompt_ids, params)
-        shifted = torch.cat((torch.zeros((1, self.feature_size), dtype=FEATURE_DTYPE), features.to(FEATURE_DTYPE)))
+        shifted = torch.cat((torch.zeros((1, self.true_width), dtype=FEATURE_DTYPE), features.to(FEATURE_DTYPE)))
         if len(prompt_ids) > 1:  # x_0..x_{P-2} with f_{-1}..f_{P-3}
             self.runner.prefill(seq_id, self._to_draft(prompt_ids[:-1]), shifted[:-1])
         self.pending[seq_id] = [shifted[-1:]]
@@ -42,7 +43,7 @@ class EagleProposer(DraftModelProposer):
         self.pending.pop(seq_id, None)
 
     def _catch_up(self, seq_ids: Sequence[str], feed: Sequence[Sequence[int]]) -> torch.Tensor:
-        out = torch.zeros((len(seq_ids), max(map(len, feed)), self.feature_size), dtype=FEATURE_DTYPE)
+        out = torch.zeros((len(seq_ids), max(map(len, feed)), self.true_width), dtype=FEATURE_DTYPE)
         for r, s in enumerate(seq_ids):
             f = torch.cat(self.pending[s])
             if len(f) != len(feed[r]):
