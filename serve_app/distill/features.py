@@ -17,20 +17,19 @@ from serve_app.models.eagle import folder_fuse_layers
 from serve_app.models.runner import ModelRunner, RunnerConfig
 
 
-def default_taps(target_path: Path) -> tuple[int, ...]:
+def default_taps(layers: int) -> tuple[int, ...]:
     """A low and a middle layer, as EAGLE-3 taps them (after 2 and L / 2 of the target's L layers)."""
-    layers = AutoConfig.from_pretrained(target_path).num_hidden_layers
     return tuple(sorted({min(2, layers - 1), layers // 2} - {0}))
 
 
 def head_taps(requested: tuple[int, ...] | None, init: Path | None, target_path: Path) -> tuple[int, ...]:
     """The layers the head fuses: ``--taps``, else the ``--init`` head's, else ``default_taps``."""
+    layers = AutoConfig.from_pretrained(target_path).num_hidden_layers
     init_taps = folder_fuse_layers(init) if init is not None else ()
-    taps = tuple(requested) if requested is not None else init_taps if init is not None else default_taps(target_path)
+    taps = tuple(requested) if requested is not None else init_taps if init is not None else default_taps(layers)
     if init_taps and taps != init_taps:
         raise ValueError(f"--taps {list(taps)}: the head in --init {init} fuses the target's layers {list(init_taps)}; "
                          "train it with those or start a new head")
-    layers = AutoConfig.from_pretrained(target_path).num_hidden_layers
     if any(not 0 < n < layers for n in taps):
         raise ValueError(f"--taps {list(taps)}: the target has {layers} layers; tap after 1..{layers - 1} of them")
     return taps

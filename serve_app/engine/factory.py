@@ -73,6 +73,12 @@ def reads_features(config: EngineConfig, draft_path: Path) -> bool:
     return True
 
 
+def shipped_features(config: EngineConfig, draft_path: Path) -> tuple[bool, tuple[int, ...]]:
+    """(``reads_features``, the target layers whose streams precede its final state: the head's taps)."""
+    features = reads_features(config, draft_path)
+    return features, folder_fuse_layers(draft_path) if features else ()
+
+
 def draft_proposer(runner: ModelRunner, path: Path, width: int, target_vocab: int, stop_below: float = 0.0
                    ) -> DraftModelProposer:
     """The proposer for a draft model folder: an EAGLE head or a standalone decoder."""
@@ -114,8 +120,7 @@ def build_engine(config: EngineConfig) -> Engine:
     if spec.method == "draft":
         draft_path = resolve(spec.draft, cache_dir)
         check_draft(target.path, draft_path)
-        features = reads_features(config, draft_path)
-        taps = folder_fuse_layers(draft_path) if features else ()
+        features, taps = shipped_features(config, draft_path)
         draft = ModelRunner(draft_path, runner_config(config))
         proposers["draft"] = draft_proposer(draft, draft_path, spec.draft_top_k, target.vocab_size,
                                             spec.draft_stop_below)

@@ -19,8 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from serve_app.config import SpeculationMethod
 from serve_app.engine.engine import Engine
-from serve_app.engine.factory import eos_token_ids, prefill_limit, reads_features, runner_config
-from serve_app.models.eagle import folder_fuse_layers
+from serve_app.engine.factory import eos_token_ids, prefill_limit, runner_config, shipped_features
 from serve_app.models.sources import resolve
 from serve_app.serving.config import AppConfig, PlacementConfig
 from serve_app.serving.metrics import ServingMetrics
@@ -87,8 +86,7 @@ def build_replica_engine(config: AppConfig, metrics: ServingMetrics | None = Non
     draft_path = resolve(spec.draft, cache_dir) if spec.method == "draft" else None
     if draft_path is not None:
         check_draft(target_path, draft_path)  # fails at startup, naming what differs
-    features = draft_path is not None and reads_features(engine_cfg, draft_path)
-    taps = folder_fuse_layers(draft_path) if features else ()
+    features, taps = shipped_features(engine_cfg, draft_path) if draft_path is not None else (False, ())
 
     target = ray.remote(TargetWorker).options(**actor_options(p, p.target_cores, TARGET_BUNDLE)).remote(
         str(target_path), rc, p.accelerator, engine_cfg.num_threads, features, taps)

@@ -64,18 +64,18 @@ def check_draft(target_path: Path, draft_path: Path) -> list[str]:
                      "target's vocabulary are never proposed")
     feature_size = getattr(draft_cfg, FEATURE_KEY, None)
     if feature_size is not None:
+        taps = fuse_layers(draft_cfg)
         if feature_size != target_cfg.hidden_size:
             problems.append(f"EAGLE head: it reads features of size {feature_size} but the target's hidden_size "
                             f"is {target_cfg.hidden_size} (it was trained for another target)")
         else:
-            taps = fuse_layers(draft_cfg)
             tapped = f" (its residual streams after {', '.join(map(str, taps))} layers, then its final state)" \
                 if taps else ""
             notes.append(f"EAGLE head: the target ships its hidden states{tapped} with every verify result")
         layers = target_cfg.num_hidden_layers
-        if any(not 0 < n < layers for n in fuse_layers(draft_cfg)):
-            problems.append(f"EAGLE head: {FUSE_KEY} {list(fuse_layers(draft_cfg))} taps the target after layer "
-                            f"counts outside 1..{layers - 1} (it was trained for a deeper target)")
+        if any(not 0 < n < layers for n in taps):
+            problems.append(f"EAGLE head: {FUSE_KEY} {list(taps)} taps the target after layer counts outside "
+                            f"1..{layers - 1} (it was trained for a deeper target)")
     if problems:
         raise DraftMismatchError(f"draft {draft_path} cannot serve target {target_path}:\n  - "
                                  + "\n  - ".join(problems))

@@ -126,8 +126,8 @@ class DraftModelProposer:
         entries are None for greedy rows, and the probability is 1 unless ``stop_below`` is set."""
         to_target = self.to_target
         argmax = logits.argmax(dim=-1).cpu()  # only ids (and, to stop early, the top probability) leave the device
-        top = torch.softmax(logits.float(), dim=-1).amax(dim=-1).cpu().tolist() if self.stop_below \
-            else [1.0] * len(logits)
+        top = (logits.amax(dim=-1) - torch.logsumexp(logits.float(), dim=-1)).exp().cpu().tolist() \
+            if self.stop_below else [1.0] * len(logits)  # the softmax maximum, without the softmax
         if to_target is not None:
             argmax = to_target[argmax]
         out: list[tuple[int, torch.Tensor | None, torch.Tensor | None, float]] = [
