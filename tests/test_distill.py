@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from serve_app.distill.draft_model import coverage, select_vocab
+from serve_app.distill.evaluate import data_note, decoding_walk
 from serve_app.distill.prompts import chat_prompts, usable_prompts, user_turn_prefix
 from serve_app.distill.train import DistillConfig, distill
 from serve_app.engine.request import GenerationParams
@@ -36,6 +37,18 @@ def test_vocabulary_keeps_specials_and_frequent_tokens():
     vocab = select_vocab([[5, 5, 5, 7, 7, 9]], special_ids=[0, 2], size=4)
     assert vocab == [0, 2, 5, 7]
     assert coverage([[5, 5, 9]], vocab) == 2 / 3
+
+
+def test_acceptance_length_is_what_decoding_sees_not_a_mean_over_positions():
+    # tokens per pass if a draft began at each position; decoding begins one where the last pass ended
+    lengths = torch.tensor([3, 1, 2, 1, 1, 2, 1])
+    assert decoding_walk(lengths) == (7, 4)  # positions 0, 3, 4, 5: 3 + 1 + 1 + 2 tokens
+    assert lengths.float().mean() < 7 / 4  # the mean over positions counts easy stretches once per token
+
+
+def test_a_draft_that_fits_its_data_far_better_than_held_out_is_told_to_get_data():
+    assert "--synth-prompts" in data_note(0.66, 0.42) and "0.66" in data_note(0.66, 0.42)
+    assert data_note(0.45, 0.42) is None
 
 
 def test_pipeline_trains_resumes_and_yields_a_lossless_draft(tiny_models, tmp_path):

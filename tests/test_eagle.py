@@ -7,8 +7,10 @@ then the head's k steps) and compares it with the incremental, cached proposer.
 
 from __future__ import annotations
 
+import json
 import pickle
 import random
+import re
 import shutil
 
 import pytest
@@ -61,6 +63,9 @@ def test_training_continues_from_a_saved_head(tiny_models, tiny_eagle, tmp_path,
                           max_steps=4, eval_every=2, vocab_size=200, unroll=2, batch_size=4))
     log = capsys.readouterr().out
     assert f"starting from {tiny_eagle / 'draft'}" in log and "mean acceptance length at k=4" in log
+    assert re.search(r"held-out agreement [0-9.]+ \(training [0-9.]+\)", log)
+    record = json.loads((out / "log.jsonl").read_text().splitlines()[-1])
+    assert 0 <= record["heldout_agreement"] <= 1 and 0 <= record["train_agreement"] <= 1
     assert (out / "draft" / "eagle_fc.safetensors").is_file()
 
 

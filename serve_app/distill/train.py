@@ -12,13 +12,15 @@ Phases, each saved in ``--out`` so an interrupted run resumes where it stopped:
 4. checkpoint.pt + draft/: the draft trained on soft cross-entropy to those distributions: a small
    decoder (``draft_model.py``, ``--arch decoder``) or an EAGLE head reading the target's features
    (``eagle.py``, ``--arch eagle``, plus a smooth-L1 loss on the predicted feature, with its
-   ``--unroll`` drafting steps trained as they run); progress shows tokens, loss, held-out
-   agreement, mean acceptance length and time left.
+   ``--unroll`` drafting steps trained as they run); progress shows tokens, loss, agreement on
+   held-out and on as many training responses, mean acceptance length and time left.
 
 Held-out agreement a = P(draft argmax == target's greedy token) at the first drafting step. For an
 EAGLE head the mean acceptance length at k = 4 is measured by unrolling its four drafting steps from
-every held-out position; for a decoder it is estimated as 1 + a + a^2 + a^3 + a^4 (Leviathan et al.
-2023, with a constant a). The saved draft is the checkpoint with the highest.
+every held-out position and walking them as greedy decoding would (``decoding_walk``); for a decoder
+it is estimated as 1 + a + a^2 + a^3 + a^4 (Leviathan et al. 2023, with a constant a). The saved draft
+is the checkpoint with the highest. Agreement on as many training responses is shown next to the
+held-out one: a wide gap means the draft is short of data, not of steps (``data_note``).
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from serve_app.config import EngineConfig, SpeculationConfig
+from serve_app.distill.batches import eagle_steps, padded_inputs
 from serve_app.distill.draft_model import coverage, init_draft, save_draft, select_vocab
-from serve_app.distill.eagle import init_eagle, load_eagle, save_eagle, unrolled
+from serve_app.distill.eagle import init_eagle, load_eagle, save_eagle
+from serve_app.distill.evaluate import acceptance, data_note
 from serve_app.distill.features import head_taps, target_features, with_taps
 from serve_app.distill.prompts import chat_prompts, stdlib_text, usable_prompts, user_turn_prefix
 from serve_app.engine.request import GenerationParams
@@ -191,27 +195,6 @@ def teacher(cfg: DistillConfig, target_path: Path, data: dict, vocab: list[int])
 
 
 # ---- phase 3: train -------------------------------------------------------------------------------
-def padded_inputs(items, to_draft: torch.Tensor, n_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draft-vocabulary inputs [b, T] (every token but the last) and their attention mask."""
-    T = max(len(it["ids"]) - 1 for it in items)
-    inputs = torch.full((len(items), T), n_vocab, dtype=torch.long)
-    mask = torch.zeros(len(items), T, dtype=torch.long)
-    for i, it in enumerate(items):
-        n = len(it["ids"]) - 1
-        inputs[i, :n], mask[i, :n] = to_draft[it["ids"][:-1]], 1
-    return inputs, mask
-
-
-def padded_features(feats: list[torch.Tensor], T: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """EAGLE inputs (the features before each position, zeros at 0) and targets (each position's own
-    final state: the last ``hidden`` columns, after any tapped streams)."""
-    inputs, targets = torch.zeros(len(feats), T, feats[0].shape[-1]), torch.zeros(len(feats), T, hidden)
-    for i, f in enumerate(feats):
-        targets[i, : len(f)] = f[:, -hidden:].float()
-        inputs[i, 1: len(f)] = f[:-1].float()
-    return inputs, targets
-
-
 def soft_ce(logits: torch.Tensor, items, skip: int = 0) -> torch.Tensor:
     """Cross-entropy to the teacher's top-K at each item's trained positions, after the first ``skip``."""
     logp = F.log_softmax(logits.float(), dim=-1)
@@ -220,16 +203,6 @@ def soft_ce(logits: torch.Tensor, items, skip: int = 0) -> torch.Tensor:
         rows = logp[i, it["first"] + skip: len(it["ids"]) - 1]  # [positions, N]
         losses.append(-(rows.gather(-1, it["q_ids"][skip:].long()) * it["q_probs"][skip:].float()).sum(-1))
     return torch.cat(losses).mean()
-
-
-def eagle_steps(draft, items, feats, to_draft: torch.Tensor, n_vocab: int, steps: int, noise: float = 0.0):
-    """The head's drafting steps unrolled over a batch (``unrolled``): ([(features, logits)], the
-    target's features, the padding mask)."""
-    inputs, mask = padded_inputs(items, to_draft, n_vocab)
-    f_in, f_target = padded_features(feats, inputs.shape[1], draft.lm.config.hidden_size)
-    if noise:
-        f_in = f_in + (torch.rand_like(f_in) - 0.5) * noise
-    return unrolled(draft, inputs, f_in, steps), f_target, mask
 
 
 def batch_loss(draft, items, feats, to_draft: torch.Tensor, n_vocab: int, cfg: DistillConfig) -> torch.Tensor:
@@ -244,39 +217,6 @@ def batch_loss(draft, items, feats, to_draft: torch.Tensor, n_vocab: int, cfg: D
         total = total + STEP_DECAY ** s * (soft_ce(logits[..., :n_vocab], items, s) + cfg.feature_loss * feature_loss)
         weights += STEP_DECAY ** s
     return total / weights
-
-
-@torch.inference_mode()
-def heldout_acceptance(draft, items, feats, to_draft: torch.Tensor, to_target: torch.Tensor, n_vocab: int,
-                       k: int = 4) -> tuple[float, float]:
-    """On held-out greedy responses: (P(draft argmax == target's greedy token) at the first drafting
-    step, mean acceptance length at k, i.e. tokens per target pass with a draft begun at every
-    position). An EAGLE head's k steps are unrolled as it drafts; for a decoder, whose steps read only
-    tokens, the length is estimated from the agreement a as 1 + a + ... + a^k."""
-    hits = total = 0
-    lengths: list[torch.Tensor] = []
-    for lo in range(0, len(items), 16):
-        chunk = items[lo: lo + 16]
-        if feats is None:
-            inputs, mask = padded_inputs(chunk, to_draft, n_vocab)
-            steps = [draft(input_ids=inputs, attention_mask=mask).logits]
-        else:
-            steps = [logits for _, logits in eagle_steps(draft, chunk, feats[lo: lo + 16], to_draft, n_vocab, k)[0]]
-        guesses = [to_target[logits[..., :n_vocab].argmax(-1)] for logits in steps]
-        for i, it in enumerate(chunk):
-            n, first = len(it["ids"]) - 1, it["first"]
-            match = torch.stack([g[i, first:n] == it["greedy"] for g in guesses]).float()  # [steps, positions]
-            hits += int(match[0].sum())
-            total += n - first
-            if feats is not None:  # row s moved s places back: column j = a draft begun at j
-                runs = torch.stack([F.pad(m[s:], (0, s)) for s, m in enumerate(match)]).cumprod(0)
-                lengths.append(1 + runs.sum(0))
-    agreement = hits / max(total, 1)
-    return agreement, float(torch.cat(lengths).mean()) if lengths else expected_length(agreement, k)
-
-
-def expected_length(agreement: float, k: int = 4) -> float:
-    return sum(agreement ** j for j in range(k + 1))
 
 
 def train(cfg: DistillConfig, target_path: Path, teach: dict, vocab: list[int], feats: dict | None = None,
@@ -311,6 +251,9 @@ def train(cfg: DistillConfig, target_path: Path, teach: dict, vocab: list[int], 
         say(f"[train] resumed at step {state['step']} ({state['seconds'] / 60:.1f} min trained)")
     budget = cfg.minutes * 60
     train_items = list(range(len(teach["train"])))
+    # as many training responses as held-out ones, to show how much better the draft fits what it saw
+    chat = [i for i in train_items if teach["train"][i]["first"] > 0]
+    fit_items = random.Random(cfg.seed).sample(chat, min(len(chat), len(teach["heldout"])))
     rng = random.Random(cfg.seed + state["step"])
     start = time.perf_counter() - state["seconds"]
     draft.train()
@@ -334,17 +277,23 @@ def train(cfg: DistillConfig, target_path: Path, teach: dict, vocab: list[int], 
         state["tokens"] += sum(len(it["ids"]) - 1 - it["first"] for it in items)
         if state["step"] % cfg.eval_every == 0 or done():
             draft.eval()
-            held = None if feats is None else feats["heldout"]
-            agree, score = heldout_acceptance(draft, teach["heldout"], held, to_draft, to_target, n_vocab)
+            agree, score = acceptance(draft, teach["heldout"], None if feats is None else feats["heldout"],
+                                      to_draft, to_target, n_vocab)
+            fit, _ = acceptance(draft, [teach["train"][i] for i in fit_items],
+                                None if feats is None else [feats["train"][i] for i in fit_items],
+                                to_draft, to_target, n_vocab)
             draft.train()
             state["seconds"] = time.perf_counter() - start
             left = max(budget - state["seconds"], 0)
             kind = "estimated" if feats is None else "drafting unrolled"
             say(f"[train] step {state['step']}, {state['tokens']} tokens, loss {loss.item():.3f}, held-out "
-                f"agreement {agree:.3f}, mean acceptance length at k=4 {score:.2f} ({kind}), {left / 60:.1f} min left")
+                f"agreement {agree:.3f} (training {fit:.3f}), mean acceptance length at k=4 {score:.2f} ({kind}), "
+                f"{left / 60:.1f} min left")
             with open(cfg.out / "log.jsonl", "a") as f:
-                f.write(json.dumps({**state, "loss": loss.item(), "heldout_agreement": agree,
+                f.write(json.dumps({**state, "loss": loss.item(), "heldout_agreement": agree, "train_agreement": fit,
                                     "tokens_per_pass_k4": score}) + "\n")
+            if done() and (note := data_note(fit, agree)):
+                say(f"[train] {note}")
             if score >= state["best"]:
                 state["best"] = score
                 save(draft, vocab, target_path, cfg.out / "draft")
