@@ -4,10 +4,12 @@ Prompts: open-ended chat prompts the draft never trained on, and input-grounded 
 given text); greedy and temperature 0.7; one request at a time unless ``--batch``. Also the cost of
 one draft step relative to one target step (batch 1, one token, after a 256-token context). Rows
 marked "stop" draft up to k but stop a block after a token the draft gave less than ``--stop-below``
-(``draft_stop_below``).
+(``draft_stop_below``); "bgt=B" rows cap the draft tokens of a round at B over the batch
+(``draft_token_budget``: B // requests each).
 
     python benchmarks/bench_draft.py [--draft smollm2-135m-instruct-eagle] [--ks 1,2,3,4] [--stop-below 0.5]
-        [--batch 1]  # --batch 4: each suite's four prompts decoded together
+        [--batch 1]  # --batch 4: each suite's four prompts decoded together; --batch 8: each twice
+        [--budgets 4,8]  # add hybrid k=4 stop rows with these draft token budgets
 
 Prints a table, writes benchmarks/results/draft.json.
 """
@@ -77,6 +79,7 @@ def main() -> None:
     ap.add_argument("--stop-below", type=float, default=0.5, help="draft_stop_below of the 'stop' rows")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1, help="requests decoded together (tok/s is their total)")
+    ap.add_argument("--budgets", default="", help="draft token budgets of extra 'hybrid k=4 stop' rows")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "draft.json"))
@@ -87,23 +90,28 @@ def main() -> None:
     target_ms = step_ms(engine.verifier.runner.path, args.dtype)
     draft_ms = step_ms(engine.proposers["draft"].runner.path, args.dtype)  # type: ignore[attr-defined]
     suites = {name: [chat_ids(engine.tokenizer, p) for p in texts] for name, texts in SUITES.items()}
+    # a batch larger than a suite repeats its prompts (sampled rows still differ: each has its own seed)
+    suites = {name: (ids * -(-args.batch // len(ids)))[: max(args.batch, len(ids))] for name, ids in suites.items()}
     engine.generate([suites["open"][0]], GenerationParams(max_tokens=8))  # warm-up
 
     stop = args.stop_below
-    configs = [("plain", "none", 0, 0.0), ("ngram k=4", "ngram", 4, 0.0)] + [
-        (f"draft k={k}", "draft", k, 0.0) for k in map(int, args.ks.split(","))]
-    configs.append(("draft k=4 stop", "draft", 4, stop))
+    # (name, method, k, draft_stop_below, draft_token_budget)
+    configs = [("plain", "none", 0, 0.0, None), ("ngram k=4", "ngram", 4, 0.0, None)] + [
+        (f"draft k={k}", "draft", k, 0.0, None) for k in map(int, args.ks.split(","))]
+    configs.append(("draft k=4 stop", "draft", 4, stop, None))
     draft = engine.proposers["draft"]
     hybrid = HybridProposer(NgramProposer(), draft)
     # n-gram where the context matches, the draft elsewhere
-    configs += [("hybrid k=4", "hybrid", 4, 0.0), ("hybrid k=4 stop", "hybrid", 4, stop)]
+    configs += [("hybrid k=4", "hybrid", 4, 0.0, None), ("hybrid k=4 stop", "hybrid", 4, stop, None)]
+    configs += [(f"hybrid stop bgt={b}", "hybrid", 4, stop, int(b)) for b in args.budgets.split(",") if b]
     rows = []
     for decoding, sampling in (("greedy", SamplingParams()), ("T=0.7", SamplingParams(temperature=0.7))):
         for suite, prompts in suites.items():
             base = None
-            for name, method, k, stop_below in configs:
+            for name, method, k, stop_below, budget in configs:
                 engine.proposers["draft"] = hybrid if method == "hybrid" else draft
                 draft.stop_below = stop_below  # type: ignore[attr-defined]
+                engine.draft_token_budget = budget
                 method = "draft" if method == "hybrid" else method
                 r = run(engine, prompts, method, k, sampling, args.max_tokens, args.batch)
                 base = base or r["tok_s"]
@@ -117,13 +125,13 @@ def main() -> None:
 
     print(f"\ndraft={args.draft}: one draft step {draft_ms:.2f} ms = {draft_ms / target_ms:.1%} of a target step "
           f"({target_ms:.2f} ms), {args.dtype}, {args.threads} threads, {args.max_tokens} tokens, batch {args.batch}")
-    print(f"{'decoding':8} {'suite':9} {'config':15} {'tok/s':>7} {'x plain':>8} {'mean acc len':>12} {'acc rate':>8}")
+    print(f"{'decoding':8} {'suite':9} {'config':18} {'tok/s':>7} {'x plain':>8} {'mean acc len':>12} {'acc rate':>8}")
     for r in rows:
-        print(f"{r['decoding']:8} {r['suite']:9} {r['config']:15} {r['tok_s']:>7.1f} {r['ratio_vs_plain']:>8.2f} "
+        print(f"{r['decoding']:8} {r['suite']:9} {r['config']:18} {r['tok_s']:>7.1f} {r['ratio_vs_plain']:>8.2f} "
               f"{r['mean_acceptance_length']:>12.2f} {r['acceptance_rate']:>8.2f}")
     print("\nmixed prompts (mean tok/s over both suites):")
     for (decoding, name), values in mixed.items():
-        print(f"  {decoding:8} {name:15} {statistics.mean(values):7.1f}")
+        print(f"  {decoding:8} {name:18} {statistics.mean(values):7.1f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "draft_step_ms": draft_ms, "target_step_ms": target_ms,

@@ -10,9 +10,11 @@ from serve_app.models.sources import DEFAULT_MODEL
 
 SpeculationMethod = Literal["draft", "ngram", "none"]
 # `--draft auto` and configs/local.yaml for the embedded model: its shipped EAGLE head, n-gram lookup
-# where the context matches, blocks cut where the head is unsure. The fastest on mixed prompts in
-# benchmarks/bench_draft.py, greedy and sampled (serve_app/drafts/README.md).
-EMBEDDED_SPECULATION = {"draft": "smollm2-135m-instruct-eagle", "ngram_first": True, "draft_stop_below": 0.5}
+# where the context matches, blocks cut where the head is unsure, at most 4 draft tokens a round over
+# the batch. The fastest on mixed prompts in benchmarks/bench_draft.py, greedy and sampled, one
+# request at a time and 2 or 4 together; as fast as plain decoding at 8 (serve_app/drafts/README.md).
+EMBEDDED_SPECULATION = {"draft": "smollm2-135m-instruct-eagle", "ngram_first": True, "draft_stop_below": 0.5,
+                        "draft_token_budget": 4}
 
 
 def auto_speculation(model: str) -> dict:
@@ -48,6 +50,13 @@ class SpeculationConfig(StrictModel):
         description="Dynamic block length: a sequence stops drafting after a token the draft gave less "
         "than this probability (0 = always draft k). Only the draft's own numbers decide, so output is "
         "unchanged; it saves draft steps and verify slots that would likely be rejected.",
+    )
+    draft_token_budget: int | None = Field(
+        None, ge=1,
+        description="Most draft tokens one round verifies over the whole batch: each drafting sequence "
+        "gets at most budget // (sequences drafting), so k shrinks as the batch grows, down to plain "
+        "decoding, and comes back as requests finish. For hardware whose verify cost grows with the "
+        "tokens verified (CPUs; accelerators at large batch). None: k for every sequence.",
     )
     ngram_first: bool = Field(
         False,

@@ -73,6 +73,26 @@ def test_unsure_drafts_stop_early_and_lose_nothing(tiny_models):
     assert per_round[0.0] > 3.0, per_round
 
 
+def test_a_draft_token_budget_shrinks_k_as_the_batch_grows_and_loses_nothing(tiny_models):
+    """draft_token_budget: a round verifies at most that many draft tokens over the batch, budget // rows
+    per sequence, so k shrinks while many requests run and comes back as they finish."""
+    target = tiny_models["llama"]
+    reference = engine_for(target, draft="none")
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS]
+    params = [GenerationParams(max_tokens=n, ignore_eos=True) for n in (8, 16, 24, 40)]
+    plain = [o.token_ids for o in reference.generate(prompts, params)]
+    engine = engine_for(target, draft=tiny_models["llama_draft"], k=4, draft_token_budget=4)
+    rounds = []
+    engine.on_round = lambda result, _: rounds.append((len(result.seq_ids), result.num_draft_tokens.tolist()))
+    assert [o.token_ids for o in engine.generate(prompts, params)] == plain
+    for rows, drafted in rounds:
+        assert sum(drafted) <= 4 and max(drafted) <= 4 // rows, (rows, drafted)
+    assert any(rows == 4 and drafted == [1, 1, 1, 1] for rows, drafted in rounds)
+    assert any(rows == 1 and drafted == [4] for rows, drafted in rounds)  # alone again: full k
+    with pytest.raises(ConfigError, match="draft_token_budget"):
+        parse_config({"engine": {"speculation": {"draft_token_budget": 0}}})
+
+
 def test_draft_stop_below_needs_a_draft_model():
     with pytest.raises(ConfigError, match="draft_stop_below reads a draft model's probabilities"):
         parse_config({"engine": {"speculation": {"draft": "ngram", "draft_stop_below": 0.5}}})

@@ -45,6 +45,7 @@ class Engine:
         eos_ids: Iterable[int],
         on_round: Callable[[VerifyResult, float], None] | None = None,
         max_prompt_len: int | None = None,  # a compiled prefill graph's limit (Neuron); None: max_seq_len
+        draft_token_budget: int | None = None,  # most draft tokens per round over the batch; None: no cap
     ):
         if default_method not in proposers:
             raise ValueError(f"default method {default_method!r} has no proposer")
@@ -55,6 +56,7 @@ class Engine:
         self.default_k = default_k
         self.max_seq_len = max_seq_len
         self.max_prompt_len = max_prompt_len
+        self.draft_token_budget = draft_token_budget
         self.eos_ids = frozenset(eos_ids)
         self.on_round = on_round  # metrics sink: (result, seconds) per round
         self.waiting: deque[Request] = deque()
@@ -158,18 +160,23 @@ class Engine:
             self.running[req.request_id] = req
 
     def _propose(self, requests: Sequence[Request]) -> ProposalBlock:
+        drafting = sum(r.num_speculative_tokens > 0 for r in requests)
+        cap = None if self.draft_token_budget is None or not drafting else self.draft_token_budget // drafting
         blocks = []
         for method, proposer in self.proposers.items():
             group = [r for r in requests if r.method == method]
             if group:
-                blocks.append(proposer.propose([r.request_id for r in group], [self._block_size(r) for r in group]))
+                sizes = [self._block_size(r, cap) for r in group]
+                blocks.append(proposer.propose([r.request_id for r in group], sizes))
         return ProposalBlock.concat(blocks)
 
-    def _block_size(self, req: Request) -> int:
-        # Never draft past max_tokens (the target adds one token of its own) or past the cache.
+    def _block_size(self, req: Request, cap: int | None) -> int:
+        # Never draft past max_tokens (the target adds one token of its own), past the cache, or past
+        # this round's share of the draft token budget.
         remaining = req.params.max_tokens - len(req.output_ids) - 1
         room = self.max_seq_len - req.num_tokens - 1
-        return max(0, min(req.num_speculative_tokens, remaining, room))
+        k = req.num_speculative_tokens if cap is None else min(req.num_speculative_tokens, cap)
+        return max(0, min(k, remaining, room))
 
     def _release(self, req: Request) -> None:
         self.verifier.remove_sequence(req.request_id)

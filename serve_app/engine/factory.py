@@ -133,6 +133,7 @@ def build_engine(config: EngineConfig) -> Engine:
         tokenizer,
         default_method=spec.method,
         default_k=spec.num_speculative_tokens,
+        draft_token_budget=spec.draft_token_budget,
         max_seq_len=config.max_seq_len,
         eos_ids=eos_token_ids(target.path, tokenizer),
     )
