@@ -272,11 +272,13 @@ def test_a_dead_draft_worker_never_fails_a_request(server, metrics_port):
 def test_an_eagle_head_reads_the_target_features_across_workers(cluster, tiny_models, tiny_eagle):
     """The target worker ships its hidden states to the EAGLE head's worker: the prompt's at admission,
     each round's in the verify result (through the compiled graph). Placed after the metrics tests:
-    a deleted app's gauges linger in the scrape for a while."""
+    a deleted app's gauges linger in the scrape for a while. With a draft token budget of 2, as the
+    embedded default has one, the replica never drafts 3 tokens a round."""
     args = app_args(tiny_models)
     target = str(tiny_models["llama"])
     args["engine"] = {**args["engine"], "model": target,
-                      "speculation": {"draft": str(tiny_eagle / "draft"), "num_speculative_tokens": 3}}
+                      "speculation": {"draft": str(tiny_eagle / "draft"), "num_speculative_tokens": 3,
+                                      "draft_token_budget": 2}}
     serve.run(build_app(args), name="eagle", route_prefix="/eagle")
     engine = build_engine(EngineConfig(model=target, dtype="float32", max_seq_len=256,
                                        speculation=SpeculationConfig(draft="none")))
@@ -286,6 +288,7 @@ def test_an_eagle_head_reads_the_target_features_across_workers(cluster, tiny_mo
         body = httpx.post(f"{BASE}/eagle/v1/completions", timeout=120,
                           json={"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0}).json()
         assert body["choices"][0]["text"] == expected.text
+        assert len(body["speculation"]["accepted_per_position"]) <= 2  # the budget, not k = 3
         drafted += body["speculation"]["num_draft_tokens"]
     assert drafted > 0
     sampled = httpx.post(f"{BASE}/eagle/v1/completions", timeout=120,
