@@ -43,8 +43,8 @@ class EagleDraft(nn.Module):
         hidden = lm.config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         self.reduce: nn.Linear | None = None
-        if fuse_layers(lm.config):
-            self.add_taps(fuse_layers(lm.config))
+        if taps := fuse_layers(lm.config):
+            self.add_taps(taps)
 
     def add_taps(self, taps: tuple[int, ...]) -> None:
         """Read the target's residual streams after these layer counts too, through a ``reduce`` that

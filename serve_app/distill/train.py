@@ -279,9 +279,9 @@ def train(cfg: DistillConfig, target_path: Path, teach: dict, vocab: list[int], 
             draft.eval()
             agree, score = acceptance(draft, teach["heldout"], None if feats is None else feats["heldout"],
                                       to_draft, to_target, n_vocab)
-            fit, _ = acceptance(draft, [teach["train"][i] for i in fit_items],
+            fit, _ = acceptance(draft, [teach["train"][i] for i in fit_items],  # agreement only: one step
                                 None if feats is None else [feats["train"][i] for i in fit_items],
-                                to_draft, to_target, n_vocab)
+                                to_draft, to_target, n_vocab, k=1)
             draft.train()
             state["seconds"] = time.perf_counter() - start
             left = max(budget - state["seconds"], 0)
