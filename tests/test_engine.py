@@ -153,6 +153,23 @@ def test_per_request_method_and_k_in_one_batch(tiny_models):
     assert len(outs[3].stats.accepted_per_position) == 6
 
 
+def test_a_request_with_k_0_costs_the_draft_nothing(tiny_models):
+    """num_speculative_tokens: 0 decodes plainly without the draft ever holding the sequence: no
+    prefill, no catch-up, no step of the draft model."""
+    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_draft"], k=3)
+    draft = engine.proposers["draft"]
+    calls = []
+    for name in ("prefill", "forward_hidden"):
+        real = getattr(draft.runner, name)
+        setattr(draft.runner, name, lambda *a, _real=real, _name=name, **kw: (calls.append(_name), _real(*a, **kw))[1])
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    plain = engine.generate([ids], GenerationParams(max_tokens=20, method="draft", num_speculative_tokens=0))[0]
+    assert calls == [] and plain.stats.num_draft_tokens == 0
+    spec = engine.generate([ids], GenerationParams(max_tokens=20, method="draft"))[0]
+    assert calls and spec.stats.num_draft_tokens > 0  # the counting sees the draft when it does work
+    assert plain.token_ids == spec.token_ids
+
+
 def test_seeded_sampling_is_reproducible(tiny_models):
     engine = engine_for(tiny_models["llama"], draft=tiny_models["llama_draft"], k=3)
     ids = engine.tokenizer.encode(PROMPTS[2])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -101,3 +103,24 @@ def test_embedded_model_logits_match_transformers(smollm2_path):
         runner.forward(["s"], [ids[56:].tolist()], logits="all")[0],
     ])
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-3)
+
+
+def test_bfloat16_attention_outside_sdpa_matches_sdpa():
+    """``attend`` with a score bias (the bfloat16 path) computes what SDPA computes, grouped heads and
+    the mask included, for decode blocks and a prefill."""
+    from serve_app.models.llama import Batch, attend, score_bias
+
+    gen = torch.Generator().manual_seed(4)
+    for B, T, L in ((1, 1, 20), (3, 5, 40), (2, 24, 24)):
+        q = torch.randn(B, 6, T, 16, generator=gen)  # 6 heads reading 2 kv heads
+        k, v = torch.randn(B, 2, L, 16, generator=gen), torch.randn(B, 2, L, 16, generator=gen)
+        mask = torch.ones(B, 1, T, L, dtype=torch.bool).tril(L - T)
+        if L - T >= 3:
+            mask[0, :, :, :3] = False  # a sequence that must not see its first entries (every query sees some)
+        batch = Batch(torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long),
+                      torch.arange(B), mask, L)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        bf = [t.to(torch.bfloat16) for t in (q, k, v)]
+        out = attend(*bf, replace(batch, score_bias=score_bias(mask, 2, 3)))
+        assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+        torch.testing.assert_close(out.float(), ref, rtol=0.03, atol=0.03)

@@ -101,6 +101,19 @@ def test_draft_and_target_get_disjoint_contiguous_neuron_cores(server):
     assert workers["draft"]["pid"] != workers["target"]["pid"]
 
 
+def test_idle_workers_use_almost_no_cpu(server):
+    """Waiting for work must not spin: with no request, each worker process stays under 10 % of a core."""
+    import psutil
+
+    complete(PROMPTS[0], max_tokens=8)  # the round path has run at least once
+    procs = {role: psutil.Process(w["pid"]) for role, w in server.workers.remote().result().items()}
+    assert set(procs) == {"draft", "target"}
+    before = {role: sum(p.cpu_times()[:2]) for role, p in procs.items()}
+    time.sleep(4.0)
+    used = {role: (sum(p.cpu_times()[:2]) - before[role]) / 4.0 for role, p in procs.items()}
+    assert all(share < 0.10 for share in used.values()), used
+
+
 def test_greedy_over_http_equals_the_in_process_engine(server, tiny_models):
     engine = build_engine(EngineConfig(model=str(tiny_models["qwen3"]), dtype="float32", max_seq_len=256,
                                        speculation=SpeculationConfig(draft="none")))

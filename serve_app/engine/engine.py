@@ -89,6 +89,8 @@ class Engine:
                     request_id: str | None = None) -> str:
         method = self.validate(prompt_ids, params)
         k = self.default_k if params.num_speculative_tokens is None else params.num_speculative_tokens
+        if k == 0:  # plain decoding: no proposer holds the sequence, so it costs no draft work at all
+            method = "none"
         if method == "none":
             k = 0
         request_id = request_id or f"req-{next(self._ids)}"

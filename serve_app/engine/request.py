@@ -67,6 +67,10 @@ class Request:
     stats: SpecStats = field(default_factory=SpecStats)
     arrival: float = field(default_factory=time.perf_counter)
     finished_at: float | None = None
+    # Incremental detokenization (vLLM's prefix/read offsets): text is extended by decoding only the
+    # tokens since ``prefix_offset``, never the whole output again.
+    prefix_offset: int = 0  # decoding starts here, a few tokens back, so the window decodes in context
+    read_offset: int = 0  # tokens up to here are in ``text``
 
     @property
     def num_tokens(self) -> int:
@@ -85,19 +89,30 @@ class Request:
             if len(self.output_ids) >= self.params.max_tokens:
                 self._finish("length")
                 break
-        if not self.params.stop:  # with stop strings, _hit_stop_string keeps text current
-            self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        self._detokenize(tokenizer, final=self.finish_reason is not None)
+
+    def _detokenize(self, tokenizer: PreTrainedTokenizerBase, final: bool = False) -> None:
+        """Extend ``text`` by the tokens not decoded yet. A window that ends inside a multi-byte
+        character decodes to a trailing U+FFFD: it waits for the next token unless ``final``."""
+        if self.read_offset == len(self.output_ids):
+            return
+        before = tokenizer.decode(self.output_ids[self.prefix_offset: self.read_offset], skip_special_tokens=True)
+        window = tokenizer.decode(self.output_ids[self.prefix_offset:], skip_special_tokens=True)
+        if window.endswith("\ufffd") and not final:
+            return
+        self.text += window[len(before):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.output_ids)
 
     def _hit_stop_string(self, tokenizer: PreTrainedTokenizerBase) -> bool:
-        text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
-        # Only the tail can hold a new match: the last token plus the longest stop string.
-        tail_from = max(0, len(self.text) - max(len(s) for s in self.params.stop))
+        checked = len(self.text)
+        self._detokenize(tokenizer)
+        # Only the tail can hold a new match: the new text plus the longest stop string before it.
+        tail_from = max(0, checked - max(len(s) for s in self.params.stop) + 1)
         for stop in self.params.stop:
-            at = text.find(stop, tail_from)
+            at = self.text.find(stop, tail_from)
             if at >= 0:
-                self.text = text[:at]
+                self.text = self.text[:at]
                 return True
-        self.text = text
         return False
 
     def _finish(self, reason: FinishReason) -> None:
@@ -109,10 +124,8 @@ class Request:
             self._finish("abort")
 
     def take_output(self) -> RequestOutput:
-        # Hold back a trailing replacement character: it may be half of a multi-byte character.
-        stable = self.text if self.finish_reason else self.text.rstrip("\ufffd")
-        new_text = stable[self.emitted_text_len:]
-        self.emitted_text_len = max(self.emitted_text_len, len(stable))
+        new_text = self.text[self.emitted_text_len:]
+        self.emitted_text_len = max(self.emitted_text_len, len(self.text))
         end = self.finished_at or time.perf_counter()
         return RequestOutput(
             self.request_id, self.prompt_ids, list(self.output_ids), self.text, self.finish_reason,

@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from serve_app.models.eagle import EagleHead, is_eagle
 from serve_app.models.llama import SUPPORTED_MODEL_TYPES, Batch, CausalLM, fuse_hf_state_dict
 from serve_app.models.neuron.spec import NeuronSpec
+from serve_app.models.packed import can_pack, pack_linears
 from serve_app.models.slots import SequenceSlots
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,8 @@ class ModelRunner(SequenceSlots):
         self.vocab_size: int = self.hf_config.vocab_size
         self.capacity = config.max_seq_len
         self.model.setup_caches(config.max_batch_size, self.capacity, self.dtype)
+        if can_pack(self.dtype, config.device):
+            pack_linears(self.model)
         super().__init__(config.max_batch_size)
         log.info("loaded %s (%s) in %.1fs", self.path, config.dtype, time.perf_counter() - start)
 
@@ -160,8 +163,17 @@ class ModelRunner(SequenceSlots):
 
     def _hidden(self, seq_ids: Sequence[str], tokens: Sequence[Sequence[int]], features: torch.Tensor | None = None,
                 taps: tuple[int, ...] = (), depth: int | None = None) -> tuple[torch.Tensor, list[int]]:
-        batch, lengths = self._make_batch(seq_ids, tokens)
-        hidden = self.model.hidden_states(batch, features, taps, depth)
+        # Rows in slot order: a running set on consecutive slots then reads the cache as a view (see
+        # KVCache.update); the hidden states come back in the caller's order.
+        order = sorted(range(len(seq_ids)), key=lambda i: self._slot[seq_ids[i]])
+        if order == list(range(len(seq_ids))):
+            batch, _ = self._make_batch(seq_ids, tokens)
+            hidden = self.model.hidden_states(batch, features, taps, depth)
+        else:
+            batch, _ = self._make_batch([seq_ids[i] for i in order], [tokens[i] for i in order])
+            hidden = self.model.hidden_states(batch, None if features is None else features[order], taps, depth)
+            hidden = hidden[sorted(range(len(order)), key=order.__getitem__)]  # back to the caller's order
+        lengths = [len(t) for t in tokens]
         for seq_id, n in zip(seq_ids, lengths, strict=True):
             self._length[seq_id] += n
         return hidden, lengths

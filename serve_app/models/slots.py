@@ -4,10 +4,14 @@ the new length are overwritten by the next write and never attended to before th
 
 from __future__ import annotations
 
+import heapq
+
 
 class SequenceSlots:
     def __init__(self, slots: int):
-        self._free_slots = list(range(slots - 1, -1, -1))
+        # A min-heap: new sequences take the lowest free slot, so the running set stays a compact range
+        # and a forward reads the cache as a view instead of gathering (copying) each sequence's rows.
+        self._free_slots = list(range(slots))
         self._slot: dict[str, int] = {}
         self._length: dict[str, int] = {}
 
@@ -20,11 +24,11 @@ class SequenceSlots:
             raise KeyError(f"sequence {seq_id!r} already present")
         if not self._free_slots:
             raise RuntimeError("no free KV-cache slot")
-        self._slot[seq_id] = self._free_slots.pop()
+        self._slot[seq_id] = heapq.heappop(self._free_slots)
         self._length[seq_id] = 0
 
     def release(self, seq_id: str) -> None:
-        self._free_slots.append(self._slot.pop(seq_id))
+        heapq.heappush(self._free_slots, self._slot.pop(seq_id))
         del self._length[seq_id]
 
     def length(self, seq_id: str) -> int:

@@ -35,8 +35,8 @@ class HybridProposer:
     def propose(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> ProposalBlock:
         by_lookup, by_draft = [], []
         for s, k in zip(seq_ids, num_tokens, strict=True):
-            tokens = np.asarray(self.ngram.history.tokens[s])
-            matched = k > 0 and lookup(tokens, 1, max(self.min_match, self.ngram.min_n), self.ngram.max_n)
+            matched = k > 0 and lookup(np.asarray(self.ngram.history.tokens[s]), 1,
+                                       max(self.min_match, self.ngram.min_n), self.ngram.max_n)
             (by_lookup if matched else by_draft).append((s, k))
         blocks = [p.propose([s for s, _ in rows], [k for _, k in rows])
                   for p, rows in ((self.ngram, by_lookup), (self.draft, by_draft)) if rows]
