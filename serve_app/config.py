@@ -149,7 +149,11 @@ class EngineConfig(StrictModel):
         description="Per-sequence token budget: prompt + max_tokens (speculative blocks fit inside it).",
     )
     num_threads: int | None = Field(
-        None, ge=1, description="torch intra-op threads for CPU runs; default: torch's own choice."
+        None, ge=1,
+        description="torch intra-op threads for CPU runs. Default: in a served replica, the target worker "
+        "takes every core of its node but one, which it leaves to the replica, the HTTP ingress and the "
+        "draft (a compute thread that shares a core with them stalls its whole parallel region), and the "
+        "draft worker one thread; in-process (CLI, benchmarks), torch's own choice.",
     )
     cache_dir: str | None = Field(
         None, description="Where converted GGUF models are cached (default ~/.cache/serve_app)."

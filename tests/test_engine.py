@@ -247,3 +247,71 @@ def test_more_requests_than_slots_are_queued(tiny_models):
     batched = engine.generate(prompts, GenerationParams(max_tokens=12))
     alone = [engine.generate([p], GenerationParams(max_tokens=12))[0] for p in prompts]
     assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
+
+
+class AheadVerifier:
+    """The in-process verifier behind ``verify_async``, the interface a remote target offers: the
+    engine then sends plain rounds ahead of processing the previous one (as it does over Ray)."""
+
+    def __init__(self, inner):
+        self.inner, self.sent = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def verify_async(self, block):
+        self.sent += 1
+        result = self.inner.verify(block)
+        return lambda: result
+
+
+def pipelined(engine):
+    engine.verifier = AheadVerifier(engine.verifier)
+    engine._pipelined = True
+    return engine
+
+
+def test_plain_rounds_sent_ahead_lose_nothing(tiny_models):
+    """Rounds sent before the previous one is processed: every request ends exactly as without, whether
+    it ends by max_tokens, EOS, a stop string found only while processing, or an abort; sequences
+    that speculate still do (the budget decides which rounds are plain)."""
+    target, draft = tiny_models["qwen3"], tiny_models["qwen3_draft"]
+    reference = engine_for(target, draft=draft, k=3, batch=4, draft_token_budget=3)
+    engine = pipelined(engine_for(target, draft=draft, k=3, batch=4, draft_token_budget=3))
+    ids = [reference.tokenizer.encode(p) for p in PROMPTS]
+    free = reference.generate([ids[0]], GenerationParams(max_tokens=30, method="none", ignore_eos=True))[0]
+    params = [
+        GenerationParams(max_tokens=9, method="none"),
+        GenerationParams(max_tokens=30, method="none", stop=(free.text[12:15],), ignore_eos=True),
+        GenerationParams(max_tokens=12, method="draft"),  # rounds with it in are speculative
+        GenerationParams(max_tokens=40, num_speculative_tokens=0),
+        GenerationParams(max_tokens=35, method="none"),
+    ]
+    prompts = [ids[1], ids[0], ids[2], ids[3], ids[2]]
+    expected = reference.generate(prompts, params)
+    got = engine.generate(prompts, params)
+    for e, g in zip(expected, got, strict=True):
+        assert (g.token_ids, g.text, g.finish_reason) == (e.token_ids, e.text, e.finish_reason)
+    assert engine.verifier.sent > 10 and got[2].stats.num_draft_tokens > 0
+    assert engine.verifier.inner.free_slots == 4 and not engine.has_work  # every slot released
+
+    # four drafting requests and a budget of 3: 3 // 4 = 0, plain rounds sent ahead, until one ends
+    sent = engine.verifier.sent
+    params = [GenerationParams(max_tokens=n, method="draft") for n in (10, 30, 24, 36)]
+    expected = reference.generate(ids, params)
+    got = engine.generate(ids, params)
+    assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+    assert engine.verifier.sent > sent + 5 and got[3].stats.num_draft_tokens > 0
+
+    # an abort while a round is in flight: the request's row of that round is dropped
+    a = engine.add_request(ids[1], GenerationParams(max_tokens=30, method="none"))
+    b = engine.add_request(ids[2], GenerationParams(max_tokens=30, method="none"))
+    engine.step()
+    engine.step()
+    assert engine._in_flight
+    engine.abort(a)
+    outs = []
+    while engine.has_work:
+        outs += engine.step()
+    assert {o.request_id for o in outs} == {b}
+    assert engine.verifier.inner.free_slots == 4

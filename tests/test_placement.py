@@ -57,3 +57,11 @@ def test_claim_fails_without_assignment_or_with_gaps(monkeypatch):
 def test_worker_resources():
     assert worker_resources("neuron_cores", 4, 1.0) == {"CPU": 1.0, "neuron_cores": 4}
     assert worker_resources("CPU", 4, 0.5) == {"CPU": 0.5}
+
+
+def test_available_cpus_is_within_the_affinity():
+    import os
+
+    from serve_app.workers.placement import available_cpus
+
+    assert 1 <= available_cpus() <= len(os.sched_getaffinity(0))

@@ -66,7 +66,12 @@ def ask() -> dict:
 
 
 def test_serve_run_on_a_fresh_machine(clean_machine):
-    proc, seconds = serve_run()
+    """The README's quick start: HAProxy ingress, requests go straight to the replica's own HTTP server."""
+    ENV["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+    try:
+        proc, seconds = serve_run()
+    finally:
+        del ENV["RAY_SERVE_ENABLE_HA_PROXY"]
     try:
         print(f"serve run answered /health after {seconds:.0f} s")
         out = ask()

@@ -9,13 +9,24 @@ One round, for every running sequence at once (Leviathan et al. 2023, Algorithm 
     result = target.verify(block)                                           # score + accept
     proposer.observe(result)                                                # roll back / extend
     each request appends result.new_tokens(i) and checks its stop conditions
+
+Plain rounds are pipelined when the target lives in another process (a verifier with
+``verify_async``): up to ``PIPELINE_DEPTH`` rounds are sent before the earliest is processed, so the
+target starts round n + 1 as soon as round n is done, and the round trip and the replica's work on
+round n's outputs (detokenizing, streaming) overlap its compute instead of adding to every round
+(vLLM's async scheduling). A round is plain when no sequence drafts (k = 0 by request, or the draft
+token budget spent under load): the target already holds each sequence's last token, so a round
+needs nothing of the one before but which sequences go on, and a plain round adds exactly one token
+to each. Sequences that reach max_tokens are left out in advance; one that ends by EOS or a stop
+string while later rounds are in flight had tokens computed in vain, which the engine drops (its
+release reaches the target after those rounds, actor calls running in order).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from transformers import PreTrainedTokenizerBase
@@ -26,6 +37,8 @@ from serve_app.engine.stats import SpecStats
 from serve_app.speculation.proposers.base import Proposer
 from serve_app.speculation.types import ProposalBlock, VerifyResult
 from serve_app.speculation.verifier import TargetVerifier
+
+PIPELINE_DEPTH = 2  # plain rounds in flight: enough to hide a round trip behind a round's compute
 
 
 class RequestError(ValueError):
@@ -63,6 +76,9 @@ class Engine:
         self.running: dict[str, Request] = {}
         self.stats = SpecStats()
         self._ids = itertools.count()
+        self._pipelined = hasattr(verifier, "verify_async")
+        # plain rounds sent ahead, oldest first: (wait for the result, sent at, seq_ids)
+        self._in_flight: deque[tuple[Callable[[], VerifyResult], float, tuple[str, ...]]] = deque()
 
     # ---- requests -----------------------------------------------------------------------------
     def validate(self, prompt_ids: Sequence[int], params: GenerationParams) -> SpeculationMethod:
@@ -108,6 +124,7 @@ class Engine:
     def abort_all(self) -> list[Request]:
         """Drop every request (after a worker failure); returns them so callers can be told."""
         dropped = list(self.waiting) + list(self.running.values())
+        self._in_flight.clear()
         self.waiting.clear()
         for req in list(self.running.values()):
             del self.running[req.request_id]
@@ -119,28 +136,33 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._in_flight)
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Admit what fits, run one speculation round; return an output for every running request."""
-        self._admit()
-        if not self.running:
-            return []
-        requests = list(self.running.values())
-        start = time.perf_counter()
-        block = self._propose(requests)
-        result = self.verifier.verify(block)
+        if self._in_flight:  # a plain round sent ahead by an earlier step
+            wait, start, _ = self._in_flight.popleft()
+            result = wait()
+        else:
+            self._admit()
+            if not self.running:
+                return []
+            start = time.perf_counter()
+            result = self.verifier.verify(self._propose(list(self.running.values())))
         for proposer in self.proposers.values():
             proposer.observe(result)
         elapsed = time.perf_counter() - start
         if self.on_round is not None:
             self.on_round(result, elapsed)
+        if self._pipelined:
+            self._send_ahead(result)
 
-        by_id = {r.request_id: r for r in requests}
         outputs = []
         for i, seq_id in enumerate(result.seq_ids):
-            req = by_id[seq_id]
+            req = self.running.get(seq_id)
+            if req is None:
+                continue  # aborted, or ended in a round already processed (see the module docstring)
             drafted, accepted = int(result.num_draft_tokens[i]), int(result.num_accepted[i])
             req.stats.record_round(drafted, accepted)
             self.stats.record_round(drafted, accepted)
@@ -150,6 +172,34 @@ class Engine:
                 self._release(req)
             outputs.append(req.take_output())
         return outputs
+
+    def _send_ahead(self, result: VerifyResult) -> None:
+        """Keep ``PIPELINE_DEPTH`` plain rounds in flight while every sequence that goes on has nothing
+        to draft and nobody waits to be admitted (an admission changes the batch)."""
+        if self.waiting and self.verifier.free_slots > 0:
+            return
+        gained: Counter[str] = Counter()  # tokens each sequence gains before the next round sent
+        ended = set()
+        for i, seq_id in enumerate(result.seq_ids):
+            new = result.new_tokens(i)
+            gained[seq_id] += len(new)
+            req = self.running.get(seq_id)
+            if req is not None and not req.params.ignore_eos and any(t in self.eos_ids for t in new):
+                ended.add(seq_id)
+        for _, _, seq_ids in self._in_flight:
+            gained.update(seq_ids)  # a plain round adds one token to each of its sequences
+        while len(self._in_flight) < PIPELINE_DEPTH:
+            going_on = [r for r in self.running.values() if r.request_id not in ended
+                        and len(r.output_ids) + gained[r.request_id] < r.params.max_tokens]
+            drafting = sum(r.num_speculative_tokens > 0 for r in going_on)
+            cap = None if self.draft_token_budget is None or not drafting else self.draft_token_budget // drafting
+            if not going_on or any(self._block_size(r, cap, pending=gained[r.request_id]) for r in going_on):
+                return
+            seq_ids = tuple(r.request_id for r in going_on)
+            block = ProposalBlock.make_dummy(seq_ids, [[] for _ in seq_ids])
+            wait = self.verifier.verify_async(block)  # type: ignore[attr-defined]
+            self._in_flight.append((wait, time.perf_counter(), seq_ids))
+            gained.update(seq_ids)
 
     def _admit(self) -> None:
         while self.waiting and self.verifier.free_slots > 0:
@@ -172,11 +222,11 @@ class Engine:
                 blocks.append(proposer.propose([r.request_id for r in group], sizes))
         return ProposalBlock.concat(blocks)
 
-    def _block_size(self, req: Request, cap: int | None) -> int:
+    def _block_size(self, req: Request, cap: int | None, pending: int = 0) -> int:
         # Never draft past max_tokens (the target adds one token of its own), past the cache, or past
-        # this round's share of the draft token budget.
-        remaining = req.params.max_tokens - len(req.output_ids) - 1
-        room = self.max_seq_len - req.num_tokens - 1
+        # this round's share of the draft token budget. ``pending``: tokens the request is about to gain.
+        remaining = req.params.max_tokens - len(req.output_ids) - pending - 1
+        room = self.max_seq_len - req.num_tokens - pending - 1
         k = req.num_speculative_tokens if cap is None else min(req.num_speculative_tokens, cap)
         return max(0, min(k, remaining, room))
 

@@ -39,8 +39,11 @@ class WorkerBase:
         self.busy_s, self.round_calls = 0.0, 0  # model compute of round calls, for the exchange benchmark
         self.accelerator = accelerator
         self.cores = claim_neuron_cores(f"{self.role} worker") if accelerator == "neuron_cores" else None
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
+        torch.set_num_threads(num_threads or self.default_threads())
+
+    def default_threads(self) -> int:
+        """Threads when the config sets none: see ``EngineConfig.num_threads``."""
+        return 1
 
     def _info(self, vocab_size: int) -> WorkerInfo:
         import ray

@@ -64,3 +64,28 @@ def worker_resources(accelerator: Accelerator, cores: int, cpus: float) -> dict[
     if accelerator != "CPU":
         bundle[accelerator] = cores
     return bundle
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: its affinity, capped by a cgroup CPU quota (a Kubernetes pod's
+    ``limits.cpu`` leaves the affinity at every core of the host)."""
+    cpus = len(os.sched_getaffinity(0))
+    quota = _cgroup_cpu_quota()
+    return cpus if quota is None else max(1, min(cpus, int(quota)))
+
+
+def _cgroup_cpu_quota() -> float | None:
+    """The cgroup's CPU quota in CPUs (v2 ``cpu.max``, else v1 ``cfs_quota_us / cfs_period_us``);
+    None when unlimited or unreadable."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()
+    except (OSError, ValueError):
+        try:
+            with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as q, open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as p:
+                quota, period = q.read().strip(), p.read().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1") or int(period) <= 0:
+        return None
+    return int(quota) / int(period)

@@ -48,9 +48,12 @@ class RoundChannel:
             self.dag = node.experimental_compile()
 
     def __call__(self, arg: Any) -> Any:
-        if self.dag is not None:
-            return ray.get(self.dag.execute(arg), timeout=ROUND_TIMEOUT_S)
-        return ray.get(getattr(self.actor, self.method).remote(arg), timeout=ROUND_TIMEOUT_S)
+        return self.send(arg)()
+
+    def send(self, arg: Any) -> Callable[[], Any]:
+        """Start the call; the returned function waits for its result."""
+        ref = self.dag.execute(arg) if self.dag is not None else getattr(self.actor, self.method).remote(arg)
+        return lambda: ray.get(ref, timeout=ROUND_TIMEOUT_S)
 
     def close(self) -> None:
         if self.dag is not None:
@@ -88,10 +91,22 @@ class RemoteVerifier:
             self.actor.remove_sequence.remote(seq_id)  # ordered before any later add on this actor
 
     def verify(self, block: ProposalBlock) -> VerifyResult:
+        return self.verify_async(block)()
+
+    def verify_async(self, block: ProposalBlock) -> Callable[[], VerifyResult]:
+        """Send a round now; the returned function waits for its result (the engine pipelines plain rounds)."""
         try:
-            return self.channel(block)
+            wait = self.channel.send(block)
         except (RayError, GetTimeoutError) as e:
             raise WorkerError(f"target worker failed: {type(e).__name__}: {e}") from e
+
+        def result() -> VerifyResult:
+            try:
+                return wait()
+            except (RayError, GetTimeoutError) as e:
+                raise WorkerError(f"target worker failed: {type(e).__name__}: {e}") from e
+
+        return result
 
     def close(self) -> None:
         self.channel.close()
