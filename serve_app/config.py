@@ -155,6 +155,12 @@ class EngineConfig(StrictModel):
         "draft (a compute thread that shares a core with them stalls its whole parallel region), and the "
         "draft worker one thread; in-process (CLI, benchmarks), torch's own choice.",
     )
+    prefill_chunk_tokens: int | None = Field(
+        None, ge=1,
+        description="Chunked prefill: most prompt tokens the target caches per round, so admitting a long "
+        "prompt delays the running requests by a chunk a round instead of the whole prompt (None: each "
+        "prompt at once). Torch backend only: a Neuron prefill graph takes the whole prompt.",
+    )
     cache_dir: str | None = Field(
         None, description="Where converted GGUF models are cached (default ~/.cache/serve_app)."
     )
@@ -175,6 +181,9 @@ class EngineConfig(StrictModel):
             buckets = getattr(self.neuron, name)
             if buckets and buckets[-1] > longest:
                 raise ValueError(f"neuron.{name}: {buckets[-1]} exceeds {longest}; lower it or raise max_seq_len")
+        if self.backend == "neuron" and self.prefill_chunk_tokens is not None:
+            raise ValueError("prefill_chunk_tokens applies to backend: torch; a Neuron prefill graph takes the "
+                             "whole prompt: remove the key")
         if self.backend == "neuron" and self.device != "cpu":
             raise ValueError("device applies to backend: torch; the Neuron backend places models on "
                              "NeuronCores through placement.accelerator: neuron_cores")

@@ -9,9 +9,10 @@ from serve_app.config import EngineConfig, SpeculationConfig
 from serve_app.engine.factory import build_engine
 
 
-def engine_for(target, draft="ngram", k=4, batch=4, seq_len=256, **speculation):
+def engine_for(target, draft="ngram", k=4, batch=4, seq_len=256, prefill_chunk_tokens=None, **speculation):
     config = EngineConfig(
         model=str(target), dtype="float32", max_batch_size=batch, max_seq_len=seq_len,
+        prefill_chunk_tokens=prefill_chunk_tokens,
         speculation=SpeculationConfig(draft=str(draft), num_speculative_tokens=k, **speculation),
     )
     return build_engine(config)

@@ -315,3 +315,54 @@ def test_plain_rounds_sent_ahead_lose_nothing(tiny_models):
         outs += engine.step()
     assert {o.request_id for o in outs} == {b}
     assert engine.verifier.inner.free_slots == 4
+
+
+@pytest.mark.parametrize("draft", ["qwen3_draft", "eagle"])
+def test_chunked_prefill_bounds_each_step_and_loses_nothing(tiny_models, tiny_eagle, draft):
+    """prefill_chunk_tokens: a step caches at most that many prompt tokens, the running requests get a
+    round in every step meanwhile, and every output is the same as with whole-prompt prefill (an
+    EAGLE draft gets the features of all the chunks)."""
+    target = tiny_models["qwen3"] if draft != "eagle" else tiny_models["llama"]
+    source = tiny_eagle / "draft" if draft == "eagle" else tiny_models[draft]
+    whole = engine_for(target, draft=source, k=3)
+    chunked = engine_for(target, draft=source, k=3, prefill_chunk_tokens=4)
+    long = whole.tokenizer.encode(" ".join(PROMPTS) * 2)
+    assert len(long) > 40
+    prompts = [whole.tokenizer.encode(PROMPTS[1]), long, whole.tokenizer.encode(PROMPTS[0]), long[:13]]
+    params = GenerationParams(max_tokens=24, ignore_eos=True)
+    expected = whole.generate(prompts, params)
+
+    cached = []
+    real = chunked.verifier.runner.prefill
+    chunked.verifier.runner.prefill = lambda seq_id, tokens, **kw: (cached.append(len(tokens)), real(seq_id, tokens,
+                                                                                                        **kw))[1]
+    first = chunked.add_request(prompts[0], params)
+    chunked.step()  # the short prompt is in; the long one arrives now
+    ids = [chunked.add_request(p, params) for p in prompts[1:]]
+    outputs = {}
+    rounds_while_prefilling = 0
+    while chunked.has_work:
+        cached.append("step")
+        prefilling = bool(chunked.prefilling or chunked.waiting) and first in chunked.running
+        outs = chunked.step()
+        if prefilling:  # the running request gets its round in every step a prompt is being cached
+            assert any(o.request_id == first for o in outs)
+            rounds_while_prefilling += 1
+        outputs.update({o.request_id: o for o in outs if o.finished})
+    assert rounds_while_prefilling > 5
+    steps = " ".join(map(str, cached)).split("step")
+    assert all(sum(int(n) for n in step.split()) <= 4 for step in steps), cached  # a chunk a step at most
+    assert max(c for c in cached if c != "step") <= 4 and sum(c != "step" for c in cached) > 10
+    for e, request_id in zip(expected, [first, *ids], strict=True):
+        assert outputs[request_id].token_ids == e.token_ids
+    assert chunked.verifier.free_slots == 4
+
+
+def test_aborting_a_request_while_its_prompt_is_cached_frees_its_slot(tiny_models):
+    engine = engine_for(tiny_models["qwen3"], k=2, prefill_chunk_tokens=3)
+    ids = engine.tokenizer.encode(" ".join(PROMPTS))
+    request_id = engine.add_request(ids, GenerationParams(max_tokens=8))
+    engine.step()
+    assert engine.prefilling and engine.verifier.free_slots == 3
+    engine.abort(request_id)
+    assert not engine.prefilling and engine.verifier.free_slots == 4 and not engine.has_work

@@ -20,6 +20,11 @@ needs nothing of the one before but which sequences go on, and a plain round add
 to each. Sequences that reach max_tokens are left out in advance; one that ends by EOS or a stop
 string while later rounds are in flight had tokens computed in vain, which the engine drops (its
 release reaches the target after those rounds, actor calls running in order).
+
+Chunked prefill (``prefill_chunk``): a step caches at most that many prompt tokens before its round,
+continuing the prompt it started in an earlier step, so admitting a long prompt delays the running
+sequences by a chunk a round, never by the whole prompt. A sequence joins the round once its prompt
+is cached (and then enters its proposer, which prefills its own copy at once: drafts are small).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from serve_app.config import SpeculationMethod
@@ -59,6 +65,7 @@ class Engine:
         on_round: Callable[[VerifyResult, float], None] | None = None,
         max_prompt_len: int | None = None,  # a compiled prefill graph's limit (Neuron); None: max_seq_len
         draft_token_budget: int | None = None,  # most draft tokens per round over the batch; None: no cap
+        prefill_chunk: int | None = None,  # most prompt tokens cached per step; None: whole prompts at admission
     ):
         if default_method not in proposers:
             raise ValueError(f"default method {default_method!r} has no proposer")
@@ -70,10 +77,13 @@ class Engine:
         self.max_seq_len = max_seq_len
         self.max_prompt_len = max_prompt_len
         self.draft_token_budget = draft_token_budget
+        self.prefill_chunk = prefill_chunk
         self.eos_ids = frozenset(eos_ids)
         self.on_round = on_round  # metrics sink: (result, seconds) per round
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
+        # admitted, prompt partly cached on the target (oldest first), with the features returned so far
+        self.prefilling: deque[tuple[Request, list[torch.Tensor | None]]] = deque()
         self.stats = SpecStats()
         self._ids = itertools.count()
         self._pipelined = hasattr(verifier, "verify_async")
@@ -117,15 +127,20 @@ class Engine:
         for req in list(self.waiting):
             if req.request_id == request_id:
                 self.waiting.remove(req)
+        for entry in list(self.prefilling):
+            if entry[0].request_id == request_id:
+                self.prefilling.remove(entry)
+                self._release(entry[0])
         req = self.running.pop(request_id, None)
         if req is not None:
             self._release(req)
 
     def abort_all(self) -> list[Request]:
         """Drop every request (after a worker failure); returns them so callers can be told."""
-        dropped = list(self.waiting) + list(self.running.values())
+        dropped = list(self.waiting) + [r for r, _ in self.prefilling] + list(self.running.values())
         self._in_flight.clear()
         self.waiting.clear()
+        self.prefilling.clear()
         for req in list(self.running.values()):
             del self.running[req.request_id]
             try:
@@ -136,7 +151,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._in_flight)
+        return bool(self.waiting or self.prefilling or self.running or self._in_flight)
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -176,7 +191,7 @@ class Engine:
     def _send_ahead(self, result: VerifyResult) -> None:
         """Keep ``PIPELINE_DEPTH`` plain rounds in flight while every sequence that goes on has nothing
         to draft and nobody waits to be admitted (an admission changes the batch)."""
-        if self.waiting and self.verifier.free_slots > 0:
+        if self.prefilling or (self.waiting and self.verifier.free_slots > 0):
             return
         gained: Counter[str] = Counter()  # tokens each sequence gains before the next round sent
         ended = set()
@@ -202,14 +217,35 @@ class Engine:
             gained.update(seq_ids)
 
     def _admit(self) -> None:
-        while self.waiting and self.verifier.free_slots > 0:
-            req = self.waiting.popleft()
-            params = req.params.sampling
-            features = self.verifier.add_sequence(req.request_id, req.prompt_ids, params)  # None unless EAGLE
-            self.proposers[req.method].add_sequence(req.request_id, req.prompt_ids, params, features)
-            if len(req.prompt_ids) > 1:
-                req.stats.target_forward_passes += 1  # the prefill
-            self.running[req.request_id] = req
+        """Cache prompts on the target, at most ``prefill_chunk`` tokens this step (the prompt started
+        earlier first); a sequence whose prompt is all cached enters its proposer and the round."""
+        budget = self.prefill_chunk
+        while budget is None or budget > 0:
+            if self.prefilling:
+                req, parts = self.prefilling[0]
+                n = self._prefill_count(req, budget)
+                parts.append(self.verifier.continue_prefill(req.request_id, n))  # type: ignore[attr-defined]
+            elif self.waiting and self.verifier.free_slots > 0:
+                req = self.waiting.popleft()
+                n = self._prefill_count(req, budget)
+                parts = [self.verifier.add_sequence(req.request_id, req.prompt_ids, req.params.sampling, n)]
+                self.prefilling.append((req, parts))
+            else:
+                return
+            req.prefilled += n
+            req.stats.target_forward_passes += int(n > 0)
+            if budget is not None:
+                budget -= max(n, 1)  # a one-token prompt caches nothing, but admitting it is a call
+            if req.prefilled == len(req.prompt_ids) - 1:
+                self.prefilling.popleft()
+                features = None if parts[0] is None else torch.cat(parts)  # type: ignore[arg-type]  # EAGLE reads them
+                self.proposers[req.method].add_sequence(req.request_id, req.prompt_ids, req.params.sampling, features)
+                self.running[req.request_id] = req
+
+    @staticmethod
+    def _prefill_count(req: Request, budget: int | None) -> int:
+        left = len(req.prompt_ids) - 1 - req.prefilled  # the last prompt token is scored by the first round
+        return left if budget is None else min(left, budget)
 
     def _propose(self, requests: Sequence[Request]) -> ProposalBlock:
         drafting = sum(r.num_speculative_tokens > 0 for r in requests)

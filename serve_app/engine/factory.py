@@ -134,6 +134,7 @@ def build_engine(config: EngineConfig) -> Engine:
         default_method=spec.method,
         default_k=spec.num_speculative_tokens,
         draft_token_budget=spec.draft_token_budget,
+        prefill_chunk=config.prefill_chunk_tokens,
         max_seq_len=config.max_seq_len,
         eos_ids=eos_token_ids(target.path, tokenizer),
     )

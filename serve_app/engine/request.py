@@ -67,6 +67,7 @@ class Request:
     stats: SpecStats = field(default_factory=SpecStats)
     arrival: float = field(default_factory=time.perf_counter)
     finished_at: float | None = None
+    prefilled: int = 0  # prompt tokens cached on the target (chunked prefill)
     # Incremental detokenization (vLLM's prefix/read offsets): text is extended by decoding only the
     # tokens since ``prefix_offset``, never the whole output again.
     prefix_offset: int = 0  # decoding starts here, a few tokens back, so the window decodes in context

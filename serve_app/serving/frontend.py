@@ -86,10 +86,13 @@ class OpenAIFrontend:
 
     async def _chat_chunks(self, request_id: str, outputs: AsyncIterator[RequestOutput],
                            req: oa.ChatCompletionRequest) -> AsyncIterator[dict[str, Any]]:
-        yield oa.chat_chunk(request_id, self.model_id, {"role": "assistant", "content": ""}, None)
+        # The role goes with the first text, as vLLM sends it: the first chunk is the first token, so a
+        # client's time to first token is true.
+        role: dict[str, str] = {"role": "assistant"}
         async for out in outputs:
-            if out.new_text:
-                yield oa.chat_chunk(request_id, self.model_id, {"content": out.new_text}, None)
+            if out.new_text or (role and out.finished):
+                yield oa.chat_chunk(request_id, self.model_id, {**role, "content": out.new_text}, None)
+                role = {}
             if out.finished:
                 yield oa.chat_chunk(request_id, self.model_id, {}, out.finish_reason)
                 if req.stream_options and req.stream_options.include_usage:

@@ -122,6 +122,7 @@ def build_replica_engine(config: AppConfig, metrics: ServingMetrics | None = Non
         default_method=spec.method,
         default_k=spec.num_speculative_tokens,
         draft_token_budget=spec.draft_token_budget,
+        prefill_chunk=engine_cfg.prefill_chunk_tokens,
         max_seq_len=engine_cfg.max_seq_len,
         eos_ids=eos_token_ids(target_path, tokenizer),
         on_round=metrics.on_round if metrics else None,

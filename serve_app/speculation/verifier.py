@@ -31,14 +31,18 @@ class TargetVerifier:
         self.params: dict[str, SamplingParams] = {}
         self.last_token: dict[str, int] = {}
         self.generators: dict[str, torch.Generator] = {}
+        self.unprefilled: dict[str, list[int]] = {}  # prompt tokens a chunked prefill has still to cache
 
     @property
     def free_slots(self) -> int:
         return self.runner.free_slots
 
-    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> torch.Tensor | None:
-        """Prefill all prompt tokens but the last; the first round scores the last one. Returns the
-        prefilled positions' features ``[len(prompt) - 1, (len(taps) + 1) * hidden]`` when features are on."""
+    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                     prefill: int | None = None) -> torch.Tensor | None:
+        """Start a sequence and cache its prompt but the last token (the first round scores that one):
+        all of it, or only the first ``prefill`` tokens, the rest by ``continue_prefill`` (chunked
+        prefill). Returns the prefilled positions' features ``[n, (len(taps) + 1) * hidden]`` when
+        features are on."""
         if not prompt_ids:
             raise ValueError("a sequence needs at least one prompt token")
         self.runner.add(seq_id)
@@ -46,19 +50,26 @@ class TargetVerifier:
         self.last_token[seq_id] = int(prompt_ids[-1])
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         self.generators[seq_id] = torch.Generator().manual_seed(seed)
-        prefix = list(prompt_ids[:-1])
+        self.unprefilled[seq_id] = list(prompt_ids[:-1])
+        return self.continue_prefill(seq_id, prefill)
+
+    def continue_prefill(self, seq_id: str, count: int | None = None) -> torch.Tensor | None:
+        """Cache the next ``count`` prompt tokens not cached yet (None: all); their features when on."""
+        rest = self.unprefilled[seq_id]
+        count = len(rest) if count is None else count
+        chunk, self.unprefilled[seq_id] = rest[:count], rest[count:]
         if not self.features:
-            if prefix:
-                self.runner.prefill(seq_id, prefix)
+            if chunk:
+                self.runner.prefill(seq_id, chunk)
             return None
-        if not prefix:
+        if not chunk:
             return torch.zeros((0, (len(self.taps) + 1) * self.runner.hf_config.hidden_size), dtype=FEATURE_DTYPE)
-        return self.runner.prefill(seq_id, prefix, taps=self.taps).to("cpu", FEATURE_DTYPE)
+        return self.runner.prefill(seq_id, chunk, taps=self.taps).to("cpu", FEATURE_DTYPE)
 
     def remove_sequence(self, seq_id: str) -> None:
         if seq_id in self.params:
             self.runner.release(seq_id)
-            for table in (self.params, self.last_token, self.generators):
+            for table in (self.params, self.last_token, self.generators, self.unprefilled):
                 del table[seq_id]
 
     def verify(self, block: ProposalBlock) -> VerifyResult:

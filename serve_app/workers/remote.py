@@ -77,13 +77,20 @@ class RemoteVerifier:
     def free_slots(self) -> int:
         return self.max_batch_size - len(self.active)
 
-    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> torch.Tensor | None:
+    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                     prefill: int | None = None) -> torch.Tensor | None:
         try:
-            features = ray.get(self.actor.add_sequence.remote(seq_id, list(prompt_ids), params))
+            features = ray.get(self.actor.add_sequence.remote(seq_id, list(prompt_ids), params, prefill=prefill))
         except RayError as e:
             raise WorkerError(f"target worker failed: {e}") from e
         self.active.add(seq_id)
         return features
+
+    def continue_prefill(self, seq_id: str, count: int | None = None) -> torch.Tensor | None:
+        try:
+            return ray.get(self.actor.continue_prefill.remote(seq_id, count))
+        except RayError as e:
+            raise WorkerError(f"target worker failed: {e}") from e
 
     def remove_sequence(self, seq_id: str) -> None:
         if seq_id in self.active:

@@ -5,6 +5,8 @@ Its only round method is ``verify(ProposalBlock) -> VerifyResult``; p never leav
 
 from __future__ import annotations
 
+import torch
+
 from serve_app.models.runner import RunnerConfig, build_runner
 from serve_app.speculation.types import ProposalBlock, VerifyResult
 from serve_app.speculation.verifier import TargetVerifier
@@ -28,6 +30,10 @@ class TargetWorker(WorkerBase):
 
     def info(self) -> WorkerInfo:
         return self._info(self.verifier.runner.vocab_size)
+
+    def continue_prefill(self, seq_id: str, count: int | None = None) -> torch.Tensor | None:
+        with self.lock:
+            return self.verifier.continue_prefill(seq_id, count)
 
     def verify(self, block: ProposalBlock) -> VerifyResult:
         with self._round():
