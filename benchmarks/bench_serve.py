@@ -318,6 +318,14 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def shown(path: Path) -> str:
+    """A path as a reader of the results reproduces it: relative to the repository when inside it."""
+    try:
+        return str(path.resolve().relative_to(HERE.parent))
+    except ValueError:
+        return str(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=HERE.parent / "configs" / "local.yaml")
@@ -372,7 +380,7 @@ def main() -> None:
     md = table(rows, concurrencies)
     print(md)
     args.out.with_suffix(".md").write_text(
-        f"`python benchmarks/bench_serve.py --config {args.config}` ({time.strftime('%Y-%m-%d')})\n{md}")
+        f"`python benchmarks/bench_serve.py --config {shown(args.config)}` ({time.strftime('%Y-%m-%d')})\n{md}")
     args.out.write_text(json.dumps({"config": str(args.config), "dtype": dtype, "rows": rows}, indent=1))
     plot(rows, args.out.with_suffix(".png"))
     shutil.rmtree(workdir, ignore_errors=True) if not os.environ.get("KEEP_LOGS") else None

@@ -206,8 +206,7 @@ class Engine:
         while len(self._in_flight) < PIPELINE_DEPTH:
             going_on = [r for r in self.running.values() if r.request_id not in ended
                         and len(r.output_ids) + gained[r.request_id] < r.params.max_tokens]
-            drafting = sum(r.num_speculative_tokens > 0 for r in going_on)
-            cap = None if self.draft_token_budget is None or not drafting else self.draft_token_budget // drafting
+            cap = self._budget_cap(going_on)
             if not going_on or any(self._block_size(r, cap, pending=gained[r.request_id]) for r in going_on):
                 return
             seq_ids = tuple(r.request_id for r in going_on)
@@ -247,9 +246,13 @@ class Engine:
         left = len(req.prompt_ids) - 1 - req.prefilled  # the last prompt token is scored by the first round
         return left if budget is None else min(left, budget)
 
-    def _propose(self, requests: Sequence[Request]) -> ProposalBlock:
+    def _budget_cap(self, requests: Sequence[Request]) -> int | None:
+        """Each drafting request's share of the draft token budget this round (None: no cap)."""
         drafting = sum(r.num_speculative_tokens > 0 for r in requests)
-        cap = None if self.draft_token_budget is None or not drafting else self.draft_token_budget // drafting
+        return None if self.draft_token_budget is None or not drafting else self.draft_token_budget // drafting
+
+    def _propose(self, requests: Sequence[Request]) -> ProposalBlock:
+        cap = self._budget_cap(requests)
         blocks = []
         for method, proposer in self.proposers.items():
             group = [r for r in requests if r.method == method]
