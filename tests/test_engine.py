@@ -253,6 +253,8 @@ class AheadVerifier:
     """The in-process verifier behind ``verify_async``, the interface a remote target offers: the
     engine then sends plain rounds ahead of processing the previous one (as it does over Ray)."""
 
+    can_send_ahead = True
+
     def __init__(self, inner):
         self.inner, self.sent = inner, 0
 

@@ -10,14 +10,14 @@ One round, for every running sequence at once (Leviathan et al. 2023, Algorithm 
     proposer.observe(result)                                                # roll back / extend
     each request appends result.new_tokens(i) and checks its stop conditions
 
-Plain rounds are pipelined when the target lives in another process (a verifier with
-``verify_async``): up to ``PIPELINE_DEPTH`` rounds are sent before the earliest is processed, so the
-target starts round n + 1 as soon as round n is done, and the round trip and the replica's work on
-round n's outputs (detokenizing, streaming) overlap its compute instead of adding to every round
-(vLLM's async scheduling). A round is plain when no sequence drafts (k = 0 by request, or the draft
-token budget spent under load): the target already holds each sequence's last token, so a round
-needs nothing of the one before but which sequences go on, and a plain round adds exactly one token
-to each. Sequences that reach max_tokens are left out in advance; one that ends by EOS or a stop
+Plain rounds are pipelined when the target lives in another process and runs calls in the order
+sent (a verifier with ``verify_async`` and ``can_send_ahead``): up to ``PIPELINE_DEPTH`` rounds are
+sent before the earliest is processed, so the target starts round n + 1 as soon as round n is done,
+and the round trip and the replica's work on round n's outputs (detokenizing, streaming) overlap its
+compute instead of adding to every round (vLLM's async scheduling). A round is plain when no
+sequence drafts (k = 0 by request, or the draft token budget spent under load): the target already
+holds each sequence's last token, so a round needs nothing of the one before but which sequences go
+on, and a plain round adds exactly one token to each. Sequences that reach max_tokens are left out in advance; one that ends by EOS or a stop
 string while later rounds are in flight had tokens computed in vain, which the engine drops (its
 release reaches the target after those rounds, actor calls running in order).
 
@@ -86,7 +86,7 @@ class Engine:
         self.prefilling: deque[tuple[Request, list[torch.Tensor | None]]] = deque()
         self.stats = SpecStats()
         self._ids = itertools.count()
-        self._pipelined = hasattr(verifier, "verify_async")
+        self._pipelined = getattr(verifier, "can_send_ahead", False)  # a remote target, calls run in order
         # plain rounds sent ahead, oldest first: (wait for the result, sent at, seq_ids)
         self._in_flight: deque[tuple[Callable[[], VerifyResult], float, tuple[str, ...]]] = deque()
 

@@ -72,6 +72,9 @@ class RemoteVerifier:
         self.max_batch_size = max_batch_size
         self.active: set[str] = set()
         self.channel = RoundChannel(actor, "verify", compiled)
+        # Plain rounds may be sent ahead (Engine) only where the actor runs calls in the order sent:
+        # a compiled graph runs its rounds on a thread of its own, unordered with add/remove calls.
+        self.can_send_ahead = not compiled
 
     @property
     def free_slots(self) -> int:
