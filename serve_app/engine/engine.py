@@ -17,9 +17,10 @@ and the round trip and the replica's work on round n's outputs (detokenizing, st
 compute instead of adding to every round (vLLM's async scheduling). A round is plain when no
 sequence drafts (k = 0 by request, or the draft token budget spent under load): the target already
 holds each sequence's last token, so a round needs nothing of the one before but which sequences go
-on, and a plain round adds exactly one token to each. Sequences that reach max_tokens are left out in advance; one that ends by EOS or a stop
-string while later rounds are in flight had tokens computed in vain, which the engine drops (its
-release reaches the target after those rounds, actor calls running in order).
+on, and a plain round adds exactly one token to each. Sequences that reach max_tokens are left out
+in advance; one that ends by EOS or a stop string while later rounds are in flight had tokens
+computed in vain, which the engine drops (its release reaches the target after those rounds, actor
+calls running in order).
 
 Chunked prefill (``prefill_chunk``): a step caches at most that many prompt tokens before its round,
 continuing the prompt it started in an earlier step, so admitting a long prompt delays the running
