@@ -70,7 +70,7 @@ class Request:
     prefilled: int = 0  # prompt tokens cached on the target (chunked prefill)
     # Incremental detokenization (vLLM's prefix/read offsets): text is extended by decoding only the
     # tokens since ``prefix_offset``, never the whole output again.
-    prefix_offset: int = 0  # decoding starts here, a few tokens back, so the window decodes in context
+    prefix_offset: int = 0  # decoding starts here, at the previous round's tokens, so the window decodes in context
     read_offset: int = 0  # tokens up to here are in ``text``
 
     @property

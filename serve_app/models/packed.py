@@ -10,12 +10,8 @@ from ``F.linear``, and float32 is the dtype tests compare bit for bit with Huggi
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 
 def can_pack(dtype: torch.dtype, device: str | torch.device) -> bool:

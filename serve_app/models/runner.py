@@ -166,12 +166,12 @@ class ModelRunner(SequenceSlots):
         # Rows in slot order: a running set on consecutive slots then reads the cache as a view (see
         # KVCache.update); the hidden states come back in the caller's order.
         order = sorted(range(len(seq_ids)), key=lambda i: self._slot[seq_ids[i]])
-        if order == list(range(len(seq_ids))):
-            batch, _ = self._make_batch(seq_ids, tokens)
-            hidden = self.model.hidden_states(batch, features, taps, depth)
-        else:
-            batch, _ = self._make_batch([seq_ids[i] for i in order], [tokens[i] for i in order])
-            hidden = self.model.hidden_states(batch, None if features is None else features[order], taps, depth)
+        reordered = order != list(range(len(seq_ids)))
+        batch, _ = self._make_batch([seq_ids[i] for i in order], [tokens[i] for i in order])
+        if reordered and features is not None:
+            features = features[order]
+        hidden = self.model.hidden_states(batch, features, taps, depth)
+        if reordered:
             hidden = hidden[sorted(range(len(order)), key=order.__getitem__)]  # back to the caller's order
         lengths = [len(t) for t in tokens]
         for seq_id, n in zip(seq_ids, lengths, strict=True):
