@@ -151,9 +151,10 @@ class EngineConfig(StrictModel):
     num_threads: int | None = Field(
         None, ge=1,
         description="torch intra-op threads for CPU runs. Default: in a served replica, the target worker "
-        "takes every core of its node but one, which it leaves to the replica, the HTTP ingress and the "
-        "draft (a compute thread that shares a core with them stalls its whole parallel region), and the "
-        "draft worker one thread; in-process (CLI, benchmarks), torch's own choice.",
+        "runs small rounds on every core of its node but one, which it leaves to the replica, the HTTP "
+        "ingress and the draft (a compute thread that shares a core with them stalls its whole parallel "
+        "region), and prefills and rounds of 8 tokens or more on every core (workers.placement.ThreadPlan); "
+        "the draft worker one thread; in-process (CLI, benchmarks), torch's own choice.",
     )
     prefill_chunk_tokens: int | None = Field(
         None, ge=1,

@@ -65,3 +65,16 @@ def test_available_cpus_is_within_the_affinity():
     from serve_app.workers.placement import available_cpus
 
     assert 1 <= available_cpus() <= len(os.sched_getaffinity(0))
+
+
+def test_thread_plan_widens_only_for_large_rounds():
+    from serve_app.workers.placement import ThreadPlan
+
+    plan = ThreadPlan.for_target(cpus=2)
+    assert plan.threads(1) == 1  # a batch-1 step stays off the core the replica and the ingress use
+    assert plan.threads(plan.wide_from_tokens - 1) == 1
+    assert plan.threads(plan.wide_from_tokens) == 2  # a large round gains more than it loses to stalls
+    assert plan.threads(None) == 2  # a prefill
+    assert ThreadPlan.for_target(cpus=1).threads(64) == 1
+    fixed = ThreadPlan.fixed(3)
+    assert fixed.threads(1) == fixed.threads(100) == 3

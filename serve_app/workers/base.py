@@ -45,6 +45,10 @@ class WorkerBase:
         """Threads when the config sets none: see ``EngineConfig.num_threads``."""
         return 1
 
+    def _threads_for(self, tokens: int | None) -> None:
+        """Size torch's thread pool for a forward of ``tokens`` tokens (None: a prefill); by default
+        the pool stays as ``_start`` sized it."""
+
     def _info(self, vocab_size: int) -> WorkerInfo:
         import ray
 
@@ -61,6 +65,7 @@ class WorkerBase:
         """The target returns the prompt's features when an EAGLE draft reads them; the draft takes them.
         ``options``: the owner's own (the target's ``prefill`` count)."""
         with self.lock:
+            self._threads_for(None)
             extra = () if features is None else (features,)
             return self.owner.add_sequence(seq_id, prompt_ids, params, *extra, **options)
 

@@ -11,6 +11,7 @@ come unsorted: a worker sorts it, checks it is contiguous and fails clearly if n
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Literal
 
 Accelerator = Literal["neuron_cores", "GPU", "CPU"]
@@ -89,3 +90,31 @@ def _cgroup_cpu_quota() -> float | None:
     if quota in ("max", "-1") or int(period) <= 0:
         return None
     return int(quota) / int(period)
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    """torch intra-op threads per forward, by the tokens it processes.
+
+    A served target leaves one core to the replica, the HTTP ingress and the draft for its small
+    steps: a compute thread sharing a core with them stalls every parallel region it joins (batch 1
+    on 2 cores: 20 ms a step with 2 threads against 17 with 1). A large forward (a batch of 16, a
+    prefill) is worth that core: 26-31 ms with 2 threads against 39 with 1 at batch 16 (measured here,
+    bf16, SmolLM2-135M). ``threads(None)`` is a prefill.
+    """
+
+    narrow: int
+    wide: int
+    wide_from_tokens: int = 8
+
+    @classmethod
+    def for_target(cls, cpus: int | None = None) -> ThreadPlan:
+        cpus = available_cpus() if cpus is None else cpus
+        return cls(max(1, cpus - 1), cpus)
+
+    @classmethod
+    def fixed(cls, threads: int) -> ThreadPlan:
+        return cls(threads, threads)
+
+    def threads(self, tokens: int | None) -> int:
+        return self.wide if tokens is None or tokens >= self.wide_from_tokens else self.narrow

@@ -11,7 +11,7 @@ from serve_app.models.runner import RunnerConfig, build_runner
 from serve_app.speculation.types import ProposalBlock, VerifyResult
 from serve_app.speculation.verifier import TargetVerifier
 from serve_app.workers.base import WorkerBase, WorkerInfo
-from serve_app.workers.placement import Accelerator, available_cpus
+from serve_app.workers.placement import Accelerator, ThreadPlan
 
 
 class TargetWorker(WorkerBase):
@@ -20,21 +20,22 @@ class TargetWorker(WorkerBase):
     def __init__(self, model_path: str, runner_config: RunnerConfig, accelerator: Accelerator = "CPU",
                  num_threads: int | None = None, features: bool = False, taps: tuple[int, ...] = ()):
         """``features``: ship the target's hidden states to an EAGLE draft, after the ``taps`` it fuses."""
-        self._start(accelerator, num_threads)
+        self.plan = ThreadPlan.fixed(num_threads) if num_threads else ThreadPlan.for_target()
+        self._start(accelerator, self.plan.narrow)
         self.verifier = self.owner = TargetVerifier(build_runner(model_path, runner_config), features, taps)
 
-    def default_threads(self) -> int:
-        # One core stays with the replica, the ingress and the draft: measured on 2 cores, a second
-        # compute thread that shares a core with them made a batch-1 step slower (20 vs 17 ms).
-        return max(1, available_cpus() - 1)
+    def _threads_for(self, tokens: int | None) -> None:
+        torch.set_num_threads(self.plan.threads(tokens))
 
     def info(self) -> WorkerInfo:
         return self._info(self.verifier.runner.vocab_size)
 
     def continue_prefill(self, seq_id: str, count: int | None = None) -> torch.Tensor | None:
         with self.lock:
+            self._threads_for(None)
             return self.verifier.continue_prefill(seq_id, count)
 
     def verify(self, block: ProposalBlock) -> VerifyResult:
         with self._round():
+            self._threads_for(len(block.seq_ids) + int(block.num_draft_tokens.sum()))
             return self.verifier.verify(block)
