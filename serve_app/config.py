@@ -14,7 +14,7 @@ SpeculationMethod = Literal["draft", "ngram", "none"]
 # the batch. The fastest on mixed prompts in benchmarks/bench_draft.py, greedy and sampled, one
 # request at a time and 2 or 4 together; as fast as plain decoding at 8 (serve_app/drafts/README.md).
 EMBEDDED_SPECULATION = {"draft": "smollm2-135m-instruct-eagle", "ngram_first": True, "draft_stop_below": 0.5,
-                        "draft_token_budget": 4}
+                        "k_policy": "cost_model"}
 
 
 def auto_speculation(model: str) -> dict:
@@ -39,6 +39,21 @@ class SpeculationConfig(StrictModel):
         4, ge=0, le=16,
         description="Default block size k: draft tokens verified per target pass (0 = plain decoding). "
         "Requests may override it.",
+    )
+    k_policy: Literal["cost_model", "fixed"] = Field(
+        "cost_model",
+        description="How each round's k is chosen per sequence: 'cost_model' (speculation.policy): 0 to "
+        "the request's k, for the most expected tokens per second from the acceptance measured per draft "
+        "position and the draft, verify and overhead costs measured online, so speculation turns itself off "
+        "where it cannot pay (a large batch on a CPU, a slow draft, low acceptance); 'fixed': always the "
+        "request's k (within draft_token_budget and draft_stop_below).",
+    )
+    overlap: bool = Field(
+        False,
+        description="Overlapped rounds: while the target verifies a block, the draft drafts the next one from "
+        "the optimistic continuation (the block accepted, then its own guess of the target's token); kept when "
+        "that held, dropped otherwise, so output is unchanged. Pays when drafting is a large share of a round "
+        "and the draft has cores of its own. Needs a decoder draft model (not n-gram, not an EAGLE head).",
     )
     draft_top_k: int = Field(
         32, ge=1, le=1024,
@@ -77,6 +92,9 @@ class SpeculationConfig(StrictModel):
     def _draft_options_need_a_draft_model(self) -> SpeculationConfig:
         if self.ngram_first and self.draft in ("ngram", "none"):
             raise ValueError("ngram_first combines n-gram lookup with a draft model: set `draft` to a model")
+        if self.overlap and self.draft in ("ngram", "none"):
+            raise ValueError("overlap drafts the next block while the target verifies: set `draft` to a decoder "
+                             "model, or overlap to false")
         if self.draft_stop_below and self.draft in ("ngram", "none"):
             raise ValueError("draft_stop_below reads a draft model's probabilities: set `draft` to a model, "
                              "or draft_stop_below to 0")

@@ -12,7 +12,9 @@ from transformers import AutoModelForCausalLM
 from serve_app.builder import ConfigError, parse_config
 from serve_app.engine.engine import RequestError
 from serve_app.engine.request import GenerationParams
+from serve_app.speculation.policy import BlockSizePolicy
 from serve_app.speculation.types import SamplingParams
+from tests.conftest import perturbed_copy
 from tests.helpers import engine_for, hf_greedy
 
 PROMPTS = [
@@ -368,3 +370,71 @@ def test_aborting_a_request_while_its_prompt_is_cached_frees_its_slot(tiny_model
     assert engine.prefilling and engine.verifier.free_slots == 3
     engine.abort(request_id)
     assert not engine.prefilling and engine.verifier.free_slots == 4 and not engine.has_work
+
+
+def test_the_cost_model_policy_loses_nothing_and_its_k_0_costs_the_draft_no_step(tiny_models):
+    """The default k policy picks k per sequence each round; the output stays the target's. Where it
+    expects nothing to be accepted it picks k = 0 for everyone: the draft model then takes no step."""
+    target, draft = tiny_models["qwen3"], tiny_models["qwen3_draft"]
+    reference = engine_for(target, draft="none")
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS]
+    plain = [o.token_ids for o in reference.generate(prompts, GenerationParams(max_tokens=40))]
+    engine = engine_for(target, draft=draft, k=4, k_policy="cost_model")
+    assert isinstance(engine.policy, BlockSizePolicy)
+    assert [o.token_ids for o in engine.generate(prompts, GenerationParams(max_tokens=40))] == plain
+    assert engine.policy.engine_wide.reached  # it was fed every round's outcome
+    assert engine.policy.verify.a > 0 and "draft" in engine.policy.drafts  # and its costs
+
+    engine.policy = BlockSizePolicy(4, prior_alpha=0.0)
+    steps = []
+    real = engine.proposers["draft"].runner.forward_hidden
+    engine.proposers["draft"].runner.forward_hidden = lambda *a, **kw: (steps.append(1), real(*a, **kw))[1]
+    outs = engine.generate(prompts, GenerationParams(max_tokens=40))
+    assert [o.token_ids for o in outs] == plain
+    assert steps == [] and sum(o.stats.num_draft_tokens for o in outs) == 0
+    assert engine_for(target, draft=draft, k_policy="fixed").policy is None
+
+
+def test_sampling_stays_exact_when_k_follows_each_sequences_acceptance(tiny_models, tmp_path):
+    """The policy picks each round's k from the sequence's past outcomes (a choice made before the
+    round, so speculative sampling stays exact). Its costs are pinned to an accelerator's (a verified
+    token nearly free), so that on tiny models it keeps drafting and k moves with acceptance alone;
+    chi-square on the 2nd token."""
+    target = tiny_models["qwen3"]
+    draft = perturbed_copy(target, tmp_path / "draft", scale=0.5)  # accepts ~1 in 4 here
+    engine = engine_for(target, draft=draft, k=3, batch=64, k_policy="cost_model")
+    engine.policy = BlockSizePolicy(3, verify_cost=(0.015, 0.00002), draft_cost=(0.0005, 0.0005))
+    engine.policy.record_costs = lambda costs: None
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    n = 1500
+    outs = engine.generate([ids] * n, [GenerationParams(max_tokens=4, ignore_eos=True,
+                                                         sampling=SamplingParams(temperature=1.0, top_k=3, seed=None))
+                                        for _ in range(n)])
+    counts = Counter(o.token_ids[1] for o in outs)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+
+    def top3(prefix):
+        with torch.no_grad():
+            logits = model(torch.tensor([prefix])).logits[0, -1]
+        v, i = logits.topk(3)
+        return torch.zeros_like(logits).scatter(0, i, torch.softmax(v, 0))
+
+    p1 = top3(ids)
+    marginal = sum(p1[x] * top3(ids + [x]) for x in p1.nonzero()[:, 0].tolist()).double()
+    support = marginal.nonzero()[:, 0].tolist()
+    assert set(counts) <= set(support)
+    observed = [counts.get(t, 0) for t in support]
+    expected = (marginal[support] / marginal[support].sum() * sum(observed)).tolist()
+    assert chisquare(observed, expected).pvalue > 1e-3
+    sizes = Counter(len(o.stats.accepted_per_position) for o in outs)
+    assert engine.stats.num_draft_tokens > n and len(sizes) > 1  # it drafted, with more than one k
+
+
+def test_a_seeded_request_keeps_its_k_so_its_samples_reproduce(tiny_models):
+    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, k_policy="cost_model")
+    ids = engine.tokenizer.encode(PROMPTS[2])
+    params = GenerationParams(max_tokens=24, ignore_eos=True, sampling=SamplingParams(temperature=1.0, seed=7))
+    first = engine.generate([ids], params)[0]
+    engine.policy = BlockSizePolicy(3, prior_alpha=0.0)  # would pick k = 0 for anyone it may choose for
+    again = engine.generate([ids], params)[0]
+    assert again.token_ids == first.token_ids and again.stats.num_draft_tokens > 0

@@ -22,6 +22,10 @@ in advance; one that ends by EOS or a stop string while later rounds are in flig
 computed in vain, which the engine drops (its release reaches the target after those rounds, actor
 calls running in order).
 
+Each round's k per sequence comes from the block-size policy (``speculation.policy``, fed every
+round's result and costs) within the request's own k; without one, the request's k. With ``overlap``
+the draft drafts each sequence's next block while the target verifies this one (``engine.ahead``).
+
 Chunked prefill (``prefill_chunk``): a step caches at most that many prompt tokens before its round,
 continuing the prompt it started in an earlier step, so admitting a long prompt delays the running
 sequences by a chunk a round, never by the whole prompt. A sequence joins the round once its prompt
@@ -39,8 +43,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from serve_app.config import SpeculationMethod
+from serve_app.engine.ahead import DraftAhead, Drafted
 from serve_app.engine.request import GenerationParams, Request, RequestOutput
 from serve_app.engine.stats import SpecStats
+from serve_app.speculation.policy import BlockSizePolicy, RoundCosts, Row
 from serve_app.speculation.proposers.base import Proposer
 from serve_app.speculation.types import ProposalBlock, VerifyResult
 from serve_app.speculation.verifier import TargetVerifier
@@ -67,6 +73,8 @@ class Engine:
         max_prompt_len: int | None = None,  # a compiled prefill graph's limit (Neuron); None: max_seq_len
         draft_token_budget: int | None = None,  # most draft tokens per round over the batch; None: no cap
         prefill_chunk: int | None = None,  # most prompt tokens cached per step; None: whole prompts at admission
+        policy: BlockSizePolicy | None = None,  # picks each round's k per sequence; None: each request's k
+        overlap: bool = False,  # draft block n + 1 while the target verifies block n (engine.ahead)
     ):
         if default_method not in proposers:
             raise ValueError(f"default method {default_method!r} has no proposer")
@@ -79,6 +87,12 @@ class Engine:
         self.max_prompt_len = max_prompt_len
         self.draft_token_budget = draft_token_budget
         self.prefill_chunk = prefill_chunk
+        self.policy = policy
+        self.ahead = DraftAhead(self.proposers) if overlap else None
+        if self.ahead is not None and not self.ahead.proposers:
+            raise ValueError("speculation.overlap needs a decoder draft model: n-gram lookup is nearly free and an "
+                             "EAGLE head reads the target's features of the tokens it continues from, which a "
+                             "block drafted ahead has not got; set overlap: false or draft: <a decoder model>")
         self.eos_ids = frozenset(eos_ids)
         self.on_round = on_round  # metrics sink: (result, seconds) per round
         self.waiting: deque[Request] = deque()
@@ -90,6 +104,9 @@ class Engine:
         self._pipelined = getattr(verifier, "can_send_ahead", False)  # a remote target, calls run in order
         # plain rounds sent ahead, oldest first: (wait for the result, sent at, seq_ids)
         self._in_flight: deque[tuple[Callable[[], VerifyResult], float, tuple[str, ...]]] = deque()
+        self._draft_s: dict[str, tuple[int, float]] = {}  # this round's proposer calls: (steps, seconds)
+        self._round_end: float | None = None  # when the last round's result came
+        self.last_costs: RoundCosts | None = None  # what the last round cost (the policy's and the planner's input)
 
     # ---- requests -----------------------------------------------------------------------------
     def validate(self, prompt_ids: Sequence[int], params: GenerationParams) -> SpeculationMethod:
@@ -140,6 +157,8 @@ class Engine:
         """Drop every request (after a worker failure); returns them so callers can be told."""
         dropped = list(self.waiting) + [r for r, _ in self.prefilling] + list(self.running.values())
         self._in_flight.clear()
+        if self.ahead is not None:
+            self.ahead.ready.clear()
         self.waiting.clear()
         self.prefilling.clear()
         for req in list(self.running.values()):
@@ -157,18 +176,35 @@ class Engine:
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Admit what fits, run one speculation round; return an output for every running request."""
+        overhead, ahead_blocks = None, []
         if self._in_flight:  # a plain round sent ahead by an earlier step
             wait, start, _ = self._in_flight.popleft()
             result = wait()
+            verify_start = start if self._round_end is None else max(start, self._round_end)
         else:
+            if self._round_end is not None:  # the engine's and its caller's work since the last round
+                overhead = time.perf_counter() - self._round_end
             self._admit()
             if not self.running:
+                self._round_end = None
                 return []
             start = time.perf_counter()
-            result = self.verifier.verify(self._propose(list(self.running.values())))
+            block = self._propose(list(self.running.values()))
+            verify_start = time.perf_counter()
+            if self.ahead is None:
+                result = self.verifier.verify(block)
+            else:  # the draft's unhidden time, if any, counts in the target's
+                result, ahead_blocks = self._verify_drafting_ahead(block)
         for proposer in self.proposers.values():
             proposer.observe(result)
-        elapsed = time.perf_counter() - start
+        self._round_end = time.perf_counter()
+        elapsed = self._round_end - start
+        tokens = len(result.seq_ids) + int(result.num_draft_tokens.sum())
+        self.last_costs = RoundCosts(tokens, self._round_end - verify_start, self._draft_s, overhead)
+        self._draft_s = {}
+        if self.policy is not None:
+            self.policy.observe(result)
+            self.policy.record_costs(self.last_costs)
         if self.on_round is not None:
             self.on_round(result, elapsed)
         if self._pipelined:
@@ -187,12 +223,28 @@ class Engine:
                 del self.running[seq_id]
                 self._release(req)
             outputs.append(req.take_output())
+        if self.ahead is not None and ahead_blocks:
+            self.ahead.finish(ahead_blocks, result, self.running)
         return outputs
+
+    def _verify_drafting_ahead(self, block: ProposalBlock) -> tuple[VerifyResult, list[Drafted]]:
+        """Send the block to the target, then have each drafting sequence's proposer draft its next
+        block meanwhile (an in-process target: one after the other, for the same outcome)."""
+        rows = []
+        for seq_id, k in zip(block.seq_ids, block.num_draft_tokens.tolist(), strict=True):
+            req = self.running[seq_id]
+            if k:
+                rows.append((seq_id, req.method, min(k, self._block_size(req, None, pending=k + 1))))
+        send = getattr(self.verifier, "verify_async", None)
+        wait = send(block) if send is not None else None
+        drafting = self.ahead.start(rows)  # type: ignore[union-attr]
+        result = wait() if wait is not None else self.verifier.verify(block)
+        return result, drafting()
 
     def _send_ahead(self, result: VerifyResult) -> None:
         """Keep ``PIPELINE_DEPTH`` plain rounds in flight while every sequence that goes on has nothing
         to draft and nobody waits to be admitted (an admission changes the batch)."""
-        if self.prefilling or (self.waiting and self.verifier.free_slots > 0):
+        if self.prefilling or (self.waiting and self.verifier.free_slots > 0) or (self.ahead and self.ahead.ready):
             return
         gained: Counter[str] = Counter()  # tokens each sequence gains before the next round sent
         ended = set()
@@ -207,8 +259,7 @@ class Engine:
         while len(self._in_flight) < PIPELINE_DEPTH:
             going_on = [r for r in self.running.values() if r.request_id not in ended
                         and len(r.output_ids) + gained[r.request_id] < r.params.max_tokens]
-            cap = self._budget_cap(going_on)
-            if not going_on or any(self._block_size(r, cap, pending=gained[r.request_id]) for r in going_on):
+            if not going_on or any(self._block_sizes(going_on, gained)):
                 return
             seq_ids = tuple(r.request_id for r in going_on)
             block = ProposalBlock.make_dummy(seq_ids, [[] for _ in seq_ids])
@@ -253,14 +304,33 @@ class Engine:
         return None if self.draft_token_budget is None or not drafting else self.draft_token_budget // drafting
 
     def _propose(self, requests: Sequence[Request]) -> ProposalBlock:
-        cap = self._budget_cap(requests)
-        blocks = []
+        blocks = self.ahead.take(r.request_id for r in requests) if self.ahead is not None else []
+        held = {b.seq_ids[0] for b in blocks}  # drafted ahead, and the last round kept what they rest on
+        requests = [r for r in requests if r.request_id not in held]
+        sizes = dict(zip((r.request_id for r in requests), self._block_sizes(requests), strict=True))
         for method, proposer in self.proposers.items():
-            group = [r for r in requests if r.method == method]
+            group = [r.request_id for r in requests if r.method == method]
             if group:
-                sizes = [self._block_size(r, cap) for r in group]
-                blocks.append(proposer.propose([r.request_id for r in group], sizes))
+                ks = [sizes[s] for s in group]
+                start = time.perf_counter()
+                blocks.append(proposer.propose(group, ks))
+                if any(ks):
+                    self._draft_s[method] = (max(ks), time.perf_counter() - start)
         return ProposalBlock.concat(blocks)
+
+    def _block_sizes(self, requests: Sequence[Request], pending: Mapping[str, int] | None = None) -> list[int]:
+        """This round's k for each request: the policy's choice within each request's cap, or the cap."""
+        cap = self._budget_cap(requests)
+        caps = [self._block_size(r, cap, (pending or {}).get(r.request_id, 0)) for r in requests]
+        if self.policy is None or not any(caps):
+            return caps
+        # A seeded request keeps its k: its samples depend on the blocks, and timing-led choices would
+        # make the same seed give different text from run to run.
+        free = [i for i, r in enumerate(requests) if r.params.sampling.seed is None]
+        rows = [Row(requests[i].request_id, caps[i], requests[i].method) for i in free]
+        for i, k in zip(free, self.policy.choose(rows, plain_overhead_hidden=self._pipelined), strict=True):
+            caps[i] = k
+        return caps
 
     def _block_size(self, req: Request, cap: int | None, pending: int = 0) -> int:
         # Never draft past max_tokens (the target adds one token of its own), past the cache, or past
@@ -271,6 +341,10 @@ class Engine:
         return max(0, min(k, remaining, room))
 
     def _release(self, req: Request) -> None:
+        if self.policy is not None:
+            self.policy.forget(req.request_id)
+        if self.ahead is not None:
+            self.ahead.drop(req.request_id)
         self.verifier.remove_sequence(req.request_id)
         self.proposers[req.method].remove_sequence(req.request_id)
 

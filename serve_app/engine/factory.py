@@ -8,13 +8,14 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
 
-from serve_app.config import EngineConfig, SpeculationMethod
+from serve_app.config import EngineConfig, SpeculationConfig, SpeculationMethod
 from serve_app.engine.engine import Engine
 from serve_app.models.eagle import folder_fuse_layers, is_eagle_folder
 from serve_app.models.neuron.spec import NeuronSpec, Role
 from serve_app.models.runner import ModelRunner, RunnerConfig
 from serve_app.models.sources import resolve
 from serve_app.speculation.compatibility import check_draft, load_vocab
+from serve_app.speculation.policy import BlockSizePolicy
 from serve_app.speculation.proposers.base import NoProposer, Proposer
 from serve_app.speculation.proposers.draft_model import DraftModelProposer
 from serve_app.speculation.proposers.eagle import EagleProposer
@@ -101,6 +102,13 @@ def eos_token_ids(model_path: Path, tokenizer: PreTrainedTokenizerBase) -> set[i
     return ids
 
 
+def block_size_policy(spec: SpeculationConfig) -> BlockSizePolicy | None:
+    """The engine's k policy: None when k is fixed, or when nothing drafts."""
+    if spec.k_policy == "fixed" or spec.method == "none" or spec.num_speculative_tokens == 0:
+        return None
+    return BlockSizePolicy(spec.num_speculative_tokens)
+
+
 def build_engine(config: EngineConfig) -> Engine:
     """An engine with the draft and the target in this process (CLI, benchmarks, tests)."""
     if config.backend != "torch":
@@ -135,6 +143,8 @@ def build_engine(config: EngineConfig) -> Engine:
         default_k=spec.num_speculative_tokens,
         draft_token_budget=spec.draft_token_budget,
         prefill_chunk=config.prefill_chunk_tokens,
+        policy=block_size_policy(spec),
+        overlap=spec.overlap,
         max_seq_len=config.max_seq_len,
         eos_ids=eos_token_ids(target.path, tokenizer),
     )

@@ -8,6 +8,8 @@ Names follow vLLM's where one exists (``vllm:spec_decode_num_drafts`` ->
 - ``serve_app_spec_decode_num_draft_tokens`` / ``..._num_accepted_tokens``: proposed / accepted;
   acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts
 - ``serve_app_spec_decode_num_accepted_tokens_per_pos`` (position): accepted at draft position j
+- ``serve_app_spec_decode_sequence_rounds`` (k): sequence-rounds by the block size they drafted (0:
+  plain), what the k policy chose
 - ``serve_app_spec_decode_round_latency_seconds``: one draft + verify round of the whole batch
 - ``serve_app_time_to_first_token_seconds``, ``serve_app_inter_token_latency_seconds``
 - ``serve_app_draft_worker_available`` (1/0) and ``serve_app_draft_worker_failures``
@@ -43,6 +45,9 @@ class ServingMetrics:
         self.accepted_per_pos = metrics.Counter(
             "serve_app_spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position.",
             keys + ("position",))
+        self.sequence_rounds = metrics.Counter(
+            "serve_app_spec_decode_sequence_rounds", "Sequence-rounds by the block size k they drafted (0: plain).",
+            keys + ("k",))
         self.round_latency = metrics.Histogram(
             "serve_app_spec_decode_round_latency_seconds", "Wall time of one draft + verify round.",
             LATENCY_BUCKETS, keys)
@@ -64,6 +69,9 @@ class ServingMetrics:
         drafted = result.num_draft_tokens
         accepted = result.num_accepted
         drafts = int((drafted > 0).sum())
+        for k, n in enumerate(drafted.bincount().tolist()):
+            if n:
+                self.sequence_rounds.inc(n, {**self.tags, "k": str(k)})
         if drafts:
             self.num_drafts.inc(drafts, self.tags)
             self.num_draft_tokens.inc(int(drafted.sum()), self.tags)

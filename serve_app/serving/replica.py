@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from serve_app.config import SpeculationMethod
 from serve_app.engine.engine import Engine
-from serve_app.engine.factory import eos_token_ids, prefill_limit, runner_config, shipped_features
+from serve_app.engine.factory import block_size_policy, eos_token_ids, prefill_limit, runner_config, shipped_features
 from serve_app.models.sources import resolve
 from serve_app.serving.config import AppConfig, PlacementConfig
 from serve_app.serving.metrics import ServingMetrics
@@ -106,7 +106,8 @@ def build_replica_engine(config: AppConfig, metrics: ServingMetrics | None = Non
                 str(draft_path), runner_config(engine_cfg, "draft", p.draft_cores), spec.draft_top_k, vocab,
                 p.accelerator, engine_cfg.num_threads, spec.draft_stop_below)
 
-        draft = RemoteDraftProposer(spawn, compiled, on_state=metrics.on_draft_state if metrics else lambda _: None)
+        draft = RemoteDraftProposer(spawn, compiled, on_state=metrics.on_draft_state if metrics else lambda _: None,
+                                    can_propose_ahead=not features)  # an EAGLE head (features) cannot
         workers["draft"] = ray.get(draft.actor.info.remote())
         proposers["draft"] = draft  # type: ignore[assignment]
         if spec.ngram_first:
@@ -123,6 +124,8 @@ def build_replica_engine(config: AppConfig, metrics: ServingMetrics | None = Non
         default_k=spec.num_speculative_tokens,
         draft_token_budget=spec.draft_token_budget,
         prefill_chunk=engine_cfg.prefill_chunk_tokens,
+        policy=block_size_policy(spec),
+        overlap=spec.overlap,
         max_seq_len=engine_cfg.max_seq_len,
         eos_ids=eos_token_ids(target_path, tokenizer),
         on_round=metrics.on_round if metrics else None,

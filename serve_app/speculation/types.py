@@ -81,6 +81,13 @@ class ProposalBlock:
         lengths = torch.tensor([len(d) for d in draft_tokens], dtype=torch.long)
         return cls(tuple(seq_ids), tokens, lengths, q_ids, q_probs)
 
+    def select(self, rows: Sequence[int]) -> ProposalBlock:
+        """The block of only these rows (in this order)."""
+        index = torch.tensor(list(rows), dtype=torch.long)
+        pick = (lambda t: None if t is None else t[index])  # noqa: E731
+        return ProposalBlock(tuple(self.seq_ids[i] for i in rows), self.draft_tokens[index],
+                             self.num_draft_tokens[index], pick(self.q_ids), pick(self.q_probs))
+
     @classmethod
     def concat(cls, blocks: Sequence[ProposalBlock]) -> ProposalBlock:
         """Stack blocks from several proposers into one verify batch (padding k and K)."""
@@ -130,6 +137,12 @@ class VerifyResult:
     def new_tokens(self, i: int) -> list[int]:
         """Tokens row ``i`` gained this round: its accepted drafts plus the recovered or bonus token."""
         return self.output_tokens[i, : int(self.num_accepted[i]) + 1].tolist()
+
+    def kept_block_then(self, i: int, block_len: int, token: int) -> bool:
+        """Did row ``i`` keep a whole block of ``block_len`` drafts and then emit ``token``? (A block
+        drafted ahead from that guess holds: ``serve_app.engine.ahead``.)"""
+        return (int(self.num_draft_tokens[i]) == block_len == int(self.num_accepted[i])
+                and int(self.output_tokens[i, block_len]) == token)
 
     def new_features(self, i: int) -> torch.Tensor:
         """The target's features at the positions row ``i`` kept: its previous last token and the

@@ -36,3 +36,13 @@ class DraftWorker(WorkerBase):
             for result in previous:
                 self.proposer.observe(result)
             return self.proposer.propose(seq_ids, num_tokens)
+
+    def propose_ahead(self, request: tuple[tuple[VerifyResult, ...], tuple[str, ...], tuple[int, ...]]
+                      ) -> tuple[list[int], ProposalBlock]:
+        """Overlapped rounds: the next blocks, drafted while the target verifies the last ones
+        (``DraftModelProposer.propose_ahead``); ``request`` as for ``propose``."""
+        previous, seq_ids, num_tokens = request
+        with self._round():
+            for result in previous:
+                self.proposer.observe(result)
+            return self.proposer.propose_ahead(seq_ids, num_tokens)

@@ -22,7 +22,7 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayError
 
-from serve_app.speculation.types import ProposalBlock, SamplingParams, VerifyResult
+from serve_app.speculation.types import PAD_TOKEN, ProposalBlock, SamplingParams, VerifyResult
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +126,11 @@ class RemoteDraftProposer:
     """The draft proposer, on a ``DraftWorker`` actor, with fallback to plain decoding."""
 
     def __init__(self, spawn: Callable[[], Any], compiled: bool,
-                 on_state: Callable[[bool], None] = lambda available: None):
-        """``spawn()`` creates a new DraftWorker actor (in this replica's placement group)."""
+                 on_state: Callable[[bool], None] = lambda available: None, can_propose_ahead: bool = False):
+        """``spawn()`` creates a new DraftWorker actor (in this replica's placement group).
+        ``can_propose_ahead``: its proposer drafts ahead (a decoder draft; see ``engine.ahead``)."""
         self.spawn, self.compiled, self.on_state = spawn, compiled, on_state
+        self.can_propose_ahead = can_propose_ahead
         self.on_draft: set[str] = set()  # sequences the current draft actor holds
         self.pending: list[VerifyResult] = []  # outcomes the draft has not seen yet
         self.failures = 0
@@ -166,6 +168,26 @@ class RemoteDraftProposer:
             except (RayError, GetTimeoutError) as e:
                 self._fail(e)
         return ProposalBlock.make_dummy(seq_ids, [[] for _ in seq_ids])
+
+    def propose_ahead(self, seq_ids: Sequence[str], num_tokens: Sequence[int]
+                      ) -> Callable[[], tuple[list[int], ProposalBlock]]:
+        """Start drafting the next blocks on the actor (an ordinary call: it runs while the target
+        verifies); the returned function waits for (guesses, blocks)."""
+        counts = tuple(k if s in self.on_draft else 0 for s, k in zip(seq_ids, num_tokens, strict=True))
+        nothing = ([PAD_TOKEN] * len(seq_ids), ProposalBlock.make_dummy(seq_ids, [[] for _ in seq_ids]))
+        if self.channel is None or not any(counts):
+            return lambda: nothing
+        ref = self.actor.propose_ahead.remote((tuple(self.pending), tuple(seq_ids), counts))
+        self.pending.clear()
+
+        def wait() -> tuple[list[int], ProposalBlock]:
+            try:
+                return ray.get(ref, timeout=ROUND_TIMEOUT_S)
+            except (RayError, GetTimeoutError) as e:
+                self._fail(e)
+                return nothing
+
+        return wait
 
     def observe(self, result: VerifyResult) -> None:
         if self.on_draft:

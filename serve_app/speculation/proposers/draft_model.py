@@ -34,6 +34,7 @@ DRAFT_SEED_OFFSET = 0x5EED  # the draft's generator must not replay the target's
 
 
 class DraftModelProposer:
+    can_propose_ahead = True  # overlapped rounds: see propose_ahead
     def __init__(self, runner: ModelRunner, width: int = 32, target_vocab: int | None = None,
                  vocab_map: list[int] | None = None, stop_below: float = 0.0):
         """``width``: support size K of the shipped q'. ``target_vocab``: the target's vocabulary size;
@@ -46,6 +47,8 @@ class DraftModelProposer:
         self.stop_below = stop_below
         self.history = TokenHistory()
         self.generators: dict[str, torch.Generator] = {}
+        self.last_block: dict[str, list[int]] = {}  # each sequence's block in verification (overlap)
+        self.ahead: dict[str, tuple[int, int]] = {}  # sequences drafted ahead: (block length, guess)
         self.proposable = target_vocab  # draft logits past this column are masked
         self.to_target: torch.Tensor | None = None  # [N] draft id -> target id
         self.to_draft: torch.Tensor | None = None  # [target_vocab] target id -> draft id
@@ -74,6 +77,8 @@ class DraftModelProposer:
             self.runner.release(seq_id)
             del self.generators[seq_id]
         self.history.remove(seq_id)
+        self.last_block.pop(seq_id, None)
+        self.ahead.pop(seq_id, None)
 
     def propose(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> ProposalBlock:
         k = max(num_tokens, default=0)
@@ -105,7 +110,42 @@ class DraftModelProposer:
             feed = [self._to_draft([int(tokens[rows[r], step])]) for r in keep]
             carry = None if carry is None else carry[keep]
             rows = [rows[r] for r in keep]
+        for i, s in enumerate(seq_ids):
+            self.last_block[s] = tokens[i, : drafted[i]].tolist()
         return ProposalBlock(tuple(seq_ids), tokens, torch.tensor(drafted, dtype=torch.long), q_ids, q_probs)
+
+    def propose_ahead(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> tuple[list[int], ProposalBlock]:
+        """Overlapped rounds (PEARL, arXiv 2408.11850, post-verify): while the target verifies the block
+        each sequence was just given, draft its next block from the optimistic continuation: that block
+        all accepted, then the draft's own guess of the target's next token (its argmax). Returns the
+        guesses and the next blocks (``PAD_TOKEN`` guess for rows with nothing to continue). ``observe``
+        keeps a row's work when the target kept its whole block and its own token was the guess (a hit),
+        and rolls it back otherwise, like any rejected draft."""
+        rows = [i for i, s in enumerate(seq_ids) if num_tokens[i] > 0 and self.last_block.get(s)]
+        guesses = [PAD_TOKEN] * len(seq_ids)
+        if not rows:
+            return guesses, ProposalBlock.make_dummy(seq_ids, [[] for _ in seq_ids])
+        ids = [seq_ids[i] for i in rows]
+        decided = {s: len(self.history.tokens[s]) for s in ids}
+        for s in ids:  # optimistic: the block accepted
+            self.history.tokens[s].extend(self.last_block[s])
+        try:
+            feed = [self._to_draft(self.history.tokens[s][self.runner.length(s):]) for s in ids]
+            logits, _ = self._step(ids, feed, self._catch_up(ids, feed))
+            if self.proposable is not None:
+                logits = logits[:, : self.proposable]
+            guess = logits.argmax(dim=-1).cpu()
+            if self.to_target is not None:
+                guess = self.to_target[guess]
+            for r, (i, s) in enumerate(zip(rows, ids, strict=True)):
+                guesses[i] = int(guess[r])
+                self.history.tokens[s].append(guesses[i])
+                self.ahead[s] = (len(self.last_block[s]), guesses[i])
+            block = self.propose(seq_ids, [k if guesses[i] != PAD_TOKEN else 0 for i, k in enumerate(num_tokens)])
+        finally:
+            for s in ids:  # the history holds only what the target decided; the cache keeps the work
+                del self.history.tokens[s][decided[s]:]
+        return guesses, block
 
     def _catch_up(self, seq_ids: Sequence[str], feed: Sequence[Sequence[int]]) -> torch.Tensor | None:
         """What the first step feeds besides tokens (an EAGLE head's features); None for a decoder."""
@@ -144,7 +184,13 @@ class DraftModelProposer:
         return out
 
     def observe(self, result: VerifyResult) -> None:
+        rows = {s: i for i, s in enumerate(result.seq_ids)}
         for seq_id in self.history.extend(result):
+            ahead = self.ahead.pop(seq_id, None)
+            if ahead is not None and result.kept_block_then(rows[seq_id], *ahead):
+                continue  # the cache holds the sequence and the next block drafted ahead, as after a proposal
+            self.last_block.pop(seq_id, None)
             valid = len(self.history.tokens[seq_id]) - 1
             if self.runner.length(seq_id) > valid:
                 self.runner.truncate(seq_id, valid)
+

@@ -20,6 +20,8 @@ from serve_app.speculation.types import FEATURE_DTYPE, SamplingParams, VerifyRes
 
 
 class EagleProposer(DraftModelProposer):
+    # A head continues from the target's features of the tokens it reads; an optimistic block has none.
+    can_propose_ahead = False
     def __init__(self, runner, width: int = 32, target_vocab: int | None = None, vocab_map: list[int] | None = None,
                  stop_below: float = 0.0):
         super().__init__(runner, width, target_vocab, vocab_map, stop_below)

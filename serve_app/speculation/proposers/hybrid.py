@@ -22,6 +22,7 @@ from serve_app.speculation.types import ProposalBlock, SamplingParams, VerifyRes
 class HybridProposer:
     def __init__(self, ngram: NgramProposer, draft: Proposer, min_match: int = 2):
         self.ngram, self.draft, self.min_match = ngram, draft, min_match
+        self.by_draft: set[str] = set()  # sequences the draft proposed for in the last round
 
     def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                      features: torch.Tensor | None = None) -> None:
@@ -38,9 +39,23 @@ class HybridProposer:
             matched = k > 0 and lookup(np.asarray(self.ngram.history.tokens[s]), 1,
                                        max(self.min_match, self.ngram.min_n), self.ngram.max_n)
             (by_lookup if matched else by_draft).append((s, k))
+        self.by_draft = {s for s, k in by_draft if k}
         blocks = [p.propose([s for s, _ in rows], [k for _, k in rows])
                   for p, rows in ((self.ngram, by_lookup), (self.draft, by_draft)) if rows]
         return ProposalBlock.concat(blocks)  # the engine matches rows by seq_id, not by order
+
+    def propose_ahead(self, seq_ids: Sequence[str], num_tokens: Sequence[int]):
+        """Overlapped rounds: the draft drafts ahead for the sequences it proposed for (what it returns:
+        see ``DraftModelProposer.propose_ahead``); a lookup is nearly free, so its sequences look up
+        again next round."""
+        return self.draft.propose_ahead(*self._draft_rows(seq_ids, num_tokens))  # type: ignore[attr-defined]
+
+    @property
+    def can_propose_ahead(self) -> bool:
+        return getattr(self.draft, "can_propose_ahead", False)
+
+    def _draft_rows(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> tuple[list[str], list[int]]:
+        return list(seq_ids), [k if s in self.by_draft else 0 for s, k in zip(seq_ids, num_tokens, strict=True)]
 
     def observe(self, result: VerifyResult) -> None:
         self.ngram.observe(result)

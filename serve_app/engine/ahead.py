@@ -1,0 +1,69 @@
+"""Overlapped rounds: the draft drafts block n + 1 while the target verifies block n.
+
+PEARL's post-verify (Liu et al. 2024, arXiv 2408.11850), across the actor boundary: once block n is
+sent to the target, each drafting sequence's proposer continues from the optimistic continuation (all
+of block n accepted, then its own guess of the target's next token) and drafts the next block. When
+the verdict comes back, a sequence whose whole block was kept and whose target token was the guess (a
+hit) has its next block ready: the next round sends it without a draft call, so the draft's time was
+hidden behind the verify. Otherwise (a miss) the block is dropped and the proposer rolls its cache back
+like any rejected draft (``DraftModelProposer.observe``). The target never sees a dropped block, and a
+kept block is verified like any other, so the output stays the target's exactly.
+
+A hit needs the whole block accepted and the guess right: with per-token acceptance a about a^(k+1) of
+rounds. The draft's work on misses is wasted, but it runs on the draft's own cores while they would
+otherwise idle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from serve_app.speculation.proposers.base import Proposer
+from serve_app.speculation.types import PAD_TOKEN, ProposalBlock, VerifyResult
+
+Drafted = tuple[list[int], ProposalBlock]  # guesses (PAD_TOKEN: none) and the blocks drafted ahead
+
+
+class DraftAhead:
+    def __init__(self, proposers: Mapping[str, Proposer]):
+        self.proposers = {m: p for m, p in proposers.items() if getattr(p, "can_propose_ahead", False)}
+        self.ready: dict[str, ProposalBlock] = {}  # one-row blocks drafted ahead that held
+        self.tries = self.hits = 0
+
+    def start(self, rows: Iterable[tuple[str, str, int]]) -> Callable[[], list[Drafted]]:
+        """Draft ahead for ``rows`` = (seq_id, method, k of its next block) whose block was just sent.
+        A proposer in this process drafts now; one on an actor returns a function that waits."""
+        rows = list(rows)
+        waits = []
+        for method, proposer in self.proposers.items():
+            group = [(s, k) for s, m, k in rows if m == method]
+            if any(k for _, k in group):
+                out = proposer.propose_ahead([s for s, _ in group], [k for _, k in group])  # type: ignore[attr-defined]
+                waits.append(out if callable(out) else (lambda out=out: out))
+        return lambda: [wait() for wait in waits]
+
+    def finish(self, drafted: Sequence[Drafted], result: VerifyResult, going_on: Iterable[str]) -> None:
+        """Keep the blocks of the sequences that hit and go on."""
+        rows = {s: i for i, s in enumerate(result.seq_ids)}
+        going_on = set(going_on)
+        for guesses, block in drafted:
+            for j, seq_id in enumerate(block.seq_ids):
+                if guesses[j] == PAD_TOKEN or seq_id not in rows:
+                    continue
+                self.tries += 1
+                i = rows[seq_id]
+                if result.kept_block_then(i, int(result.num_draft_tokens[i]), guesses[j]):
+                    self.hits += 1
+                    if seq_id in going_on and int(block.num_draft_tokens[j]) > 0:
+                        self.ready[seq_id] = block.select([j])
+
+    def take(self, seq_ids: Iterable[str]) -> list[ProposalBlock]:
+        """The ready blocks of these sequences (each used once)."""
+        return [self.ready.pop(s) for s in seq_ids if s in self.ready]
+
+    def drop(self, seq_id: str) -> None:
+        self.ready.pop(seq_id, None)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.tries if self.tries else 0.0

@@ -1,0 +1,208 @@
+"""The block-size policy: each round, k per sequence (0 to its cap) for the most tokens per second.
+
+Fed by every round's ``VerifyResult`` and timings, it keeps
+- **acceptance per draft position**, per sequence, decayed so it follows what the sequence is writing
+  now, with the engine-wide rates (decayed more slowly) as the prior of a sequence that has drafted
+  little; ``alpha[j]`` is P(draft j accepted | drafts before it accepted);
+- **costs, learned online** as lines fitted by exponentially weighted least squares: a target round
+  against the tokens it verifies (batch + drafts), a draft call against its draft steps (per proposer:
+  an n-gram lookup costs next to nothing, a draft model a forward a step plus the exchange), and the
+  engine's own work between rounds.
+
+Expected tokens of a row drafting k: 1 + sum_{j<=k} prod_{m<=j} alpha[m] (Leviathan et al. 2023, §3,
+per position instead of one rate). A round's time: the draft calls for its longest block, the target
+for batch + sum(k) tokens, the engine's overhead. For each longest block K the best k's are found
+greedily (the gain of a row's next token only falls, and a token's cost is the line's slope), and
+the best K wins, K = 0 (plain decoding) included; a plain round is cheaper again where the engine
+pipelines plain rounds (its overhead is hidden). So speculation switches itself off when verifying
+cannot pay (a large batch on a CPU, low acceptance, a slow draft) and back on when it can.
+SGLang's ``AdaptiveStepSlot`` adapts EAGLE's steps from acceptance alone; this adds the costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from serve_app.speculation.types import VerifyResult
+
+
+class LinearCost:
+    """t(x) = a + b·x, fitted online by exponentially weighted least squares.
+
+    The slope is shrunk toward the prior line's (ridge, ``stiffness`` in samples at unit distance)
+    so that samples bunched at a few x (a draft that always runs 3-4 steps) do not extrapolate
+    wildly; with no sample yet the prior line stands."""
+
+    def __init__(self, a: float, b: float, decay: float = 0.98, stiffness: float = 1.0):
+        self.decay, self.stiffness, self.prior_b = decay, stiffness, b
+        self._s = [0.0] * 5  # decayed sums of w, w·x, w·t, w·x², w·x·t
+        self.a, self.b = a, b
+
+    def add(self, x: float, t: float) -> None:
+        self._s = [v * self.decay + new for v, new in zip(self._s, (1.0, x, t, x * x, x * t))]
+        w, sx, st, sxx, sxt = self._s
+        mx, mt = sx / w, st / w
+        spread = sxx - w * mx * mx + self.stiffness
+        b = (sxt - w * mx * mt + self.stiffness * self.prior_b) / spread if spread > 1e-12 else self.prior_b
+        self.b = max(b, 0.0)  # more work never costs less
+        self.a = max(mt - self.b * mx, 0.0)
+
+    def __call__(self, x: float) -> float:
+        return self.a + self.b * x
+
+
+class Acceptance:
+    """Decayed counts of draft positions reached and accepted, and the rates they give."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self.reached: list[float] = []
+        self.accepted: list[float] = []
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """One round of this sequence (or of the engine); a round without drafts only decays the
+        counts, so a rate not measured for a while returns to its prior and gets tried again."""
+        self.reached = [v * self.decay for v in self.reached]
+        self.accepted = [v * self.decay for v in self.accepted]
+        self.add(drafted, accepted)
+
+    def add(self, drafted: int, accepted: int) -> None:
+        """Count one block without decaying."""
+        if len(self.reached) < drafted:
+            grow = drafted - len(self.reached)
+            self.reached += [0.0] * grow
+            self.accepted += [0.0] * grow
+        for j in range(min(accepted + 1, drafted)):  # positions the target looked at
+            self.reached[j] += 1.0
+            self.accepted[j] += j < accepted
+
+    def rate(self, j: int, prior: float, weight: float) -> float:
+        if j >= len(self.reached):
+            return prior
+        return (self.accepted[j] + weight * prior) / (self.reached[j] + weight)
+
+
+@dataclass(frozen=True)
+class RoundCosts:
+    """What one round cost, as the engine measured it."""
+
+    tokens: int  # verified by the target: the batch plus its drafts
+    verify_s: float  # the target's call (for a round sent ahead: from when the target could start it)
+    draft_s: Mapping[str, tuple[int, float]]  # per proposer that drafted: (its longest block, seconds of its call)
+    overhead_s: float | None  # the engine's and its caller's work since the last round (None: not measured)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One sequence of the round: its id, the most it may draft, and its proposer."""
+
+    seq_id: str
+    cap: int
+    method: str
+
+
+class BlockSizePolicy:
+    def __init__(self, max_k: int, prior_alpha: float = 0.6, prior_weight: float = 4.0,
+                 seq_decay: float = 0.9, global_decay: float = 0.99,
+                 verify_cost: tuple[float, float] = (0.015, 0.001), draft_cost: tuple[float, float] = (0.002, 0.002)):
+        """``verify_cost``/``draft_cost``: prior lines (seconds; a + b·tokens, a + b·steps) until rounds
+        are measured. ``prior_alpha``: the acceptance assumed before any round."""
+        self.max_k = max_k
+        self.prior_alpha = prior_alpha
+        self.prior_weight = prior_weight
+        self.seq_decay = seq_decay
+        self.engine_wide = Acceptance(global_decay)
+        self.sequences: dict[str, Acceptance] = {}
+        self.verify = LinearCost(*verify_cost)
+        self.draft_prior = draft_cost
+        self.drafts: dict[str, LinearCost] = {}
+        self.overhead = 0.0  # the engine's own seconds a round, outside the calls (EMA)
+
+    # ---- learning ----------------------------------------------------------------------------
+    def observe(self, result: VerifyResult) -> None:
+        """A round's outcome: each row's drafts and accepted count (the engine-wide counts decay once
+        a round, each sequence's once per round it is in)."""
+        drafted, accepted = result.num_draft_tokens.tolist(), result.num_accepted.tolist()
+        for seq_id, d, a in zip(result.seq_ids, drafted, accepted, strict=True):
+            self.record(seq_id, d, a, engine_wide=False)
+        self.engine_wide.record(0, 0)
+        for d, a in zip(drafted, accepted, strict=True):
+            if d:
+                self.engine_wide.add(d, a)
+
+    def record(self, seq_id: str, drafted: int, accepted: int, engine_wide: bool = True) -> None:
+        self.sequences.setdefault(seq_id, Acceptance(self.seq_decay)).record(drafted, accepted)
+        if engine_wide:
+            self.engine_wide.record(drafted, accepted)
+
+    def record_costs(self, costs: RoundCosts) -> None:
+        self.verify.add(costs.tokens, costs.verify_s)
+        for method, (steps, seconds) in costs.draft_s.items():
+            self._draft_cost(method).add(steps, seconds)
+        if costs.overhead_s is not None:
+            self.overhead = 0.9 * self.overhead + 0.1 * costs.overhead_s
+
+    def forget(self, seq_id: str) -> None:
+        self.sequences.pop(seq_id, None)
+
+    def _draft_cost(self, method: str) -> LinearCost:
+        if method not in self.drafts:
+            self.drafts[method] = LinearCost(*self.draft_prior)
+        return self.drafts[method]
+
+    # ---- the choice --------------------------------------------------------------------------
+    def alphas(self, seq_id: str, n: int) -> list[float]:
+        """The sequence's conditional acceptance at positions 0..n-1."""
+        mine = self.sequences.get(seq_id)
+        out = []
+        for j in range(n):
+            prior = self.engine_wide.rate(j, self.prior_alpha, self.prior_weight)
+            out.append(prior if mine is None else mine.rate(j, prior, self.prior_weight))
+        return out
+
+    def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]:
+        """k for each row, to maximise expected tokens per second of this round."""
+        if not rows:
+            return []
+        batch = len(rows)
+        plain_time = self.verify(batch) + (0.0 if plain_overhead_hidden else self.overhead)
+        best, best_rate = [0] * batch, batch / max(plain_time, 1e-9)
+        top = min(self.max_k, max(r.cap for r in rows))
+        if top <= 0:
+            return best
+        # gain[i][j]: P(the row's first j + 1 drafts are all accepted), non-increasing in j
+        gains = []
+        for r in rows:
+            g, p = [], 1.0
+            for a in self.alphas(r.seq_id, min(r.cap, top)):
+                p *= a
+                g.append(p)
+            gains.append(g)
+        for longest in range(1, top + 1):
+            candidates = sorted(((g[j], i) for i, g in enumerate(gains) for j in range(min(longest, len(g)))),
+                                reverse=True)
+            ks, steps = [0] * batch, dict.fromkeys({r.method for r in rows}, 0)
+            tokens, gained = batch, 0.0
+            for gain, i in candidates:  # every prefix of the greedy order, the best one kept
+                ks[i] += 1
+                tokens += 1
+                gained += gain
+                method = rows[i].method
+                steps[method] = max(steps[method], ks[i])
+                seconds = (self.overhead + self.verify(tokens)
+                           + sum(self._draft_cost(m)(n) for m, n in steps.items() if n))
+                rate = (batch + gained) / max(seconds, 1e-9)
+                if rate > best_rate:
+                    best, best_rate = list(ks), rate
+        return best
+
+    def snapshot(self) -> dict:
+        """What the policy sees now (for metrics, logs and the planner)."""
+        return {
+            "acceptance_per_position": [round(self.engine_wide.rate(j, self.prior_alpha, 0.0), 4)
+                                        for j in range(len(self.engine_wide.reached))],
+            "verify_s": {"fixed": round(self.verify.a, 6), "per_token": round(self.verify.b, 6)},
+            "draft_s": {m: {"fixed": round(c.a, 6), "per_step": round(c.b, 6)} for m, c in self.drafts.items()},
+            "overhead_s": round(self.overhead, 6),
+        }
