@@ -212,14 +212,15 @@ def write_dataset(prompts: list[str], path: Path) -> Path:
 
 
 def run_client(venv: Path, workload: str, dataset: Path, concurrency: int, model_id: str, folder: Path,
-               max_tokens: int, workdir: Path, extra_body: dict | None = None) -> dict:
+               max_tokens: int, workdir: Path, extra_body: dict | None = None, temperature: float = 0.0,
+               num_prompts: int | None = None) -> dict:
     endpoint, backend = WORKLOADS[workload]
-    n = PROMPTS_PER_CONCURRENCY.get(concurrency, 3 * concurrency)
+    n = num_prompts or PROMPTS_PER_CONCURRENCY.get(concurrency, 3 * concurrency)
     cmd = [str(venv / "bin/python"), "-c", CLIENT, "--backend", backend, "--endpoint", endpoint,
            "--base-url", f"http://127.0.0.1:{PORT}", "--model", model_id, "--tokenizer", str(folder),
            "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
            "--disable-shuffle", "--custom-output-len", str(max_tokens), "--num-prompts", str(n),
-           "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--num-warmups", "2",
+           "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", str(temperature), "--num-warmups", "2",
            "--disable-tqdm"]
     if extra_body:
         cmd += ["--extra-body", json.dumps(extra_body)]

@@ -1,4 +1,4 @@
-"""Command line: ``python -m serve_app generate PROMPT [...]``, ``distill``, ``check-draft``, ``compile``."""
+"""Command line: ``python -m serve_app generate PROMPT [...]``, ``distill``, ``check-draft``, ``compile``, ``tune``."""
 
 from __future__ import annotations
 
@@ -209,6 +209,54 @@ def compile_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tune", help="measure acceptance and costs on your prompts; recommend k and overlap")
+    p.add_argument("config", help="Serve config file (configs/*.yaml) or a file holding its args")
+    p.add_argument("--app", default=None, help="application name, when the file has several")
+    p.add_argument("--prompts", default=None,
+                   help="a file of prompts, one per line (default: held-out chat prompts of the distillation set)")
+    p.add_argument("--raw", action="store_true", help="send the prompts as they are, without the chat template")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--batches", default="1,4", help="batch sizes to measure, comma separated")
+    p.add_argument("--out", default="tune-results", help="folder for tune.json and the plots")
+    p.add_argument("--project", choices=["trn2", "none"], default="trn2",
+                   help="project another machine from per-component costs (default: the Trainium2 reference pair)")
+    p.add_argument("--project-costs", default=None,
+                   help="override the projection's costs in seconds: verify_fixed=..,verify_per_token=..,"
+                        "draft_step=..,exchange=..")
+    p.add_argument("--project-acceptance", default=None,
+                   help="acceptance per draft position for the projection, comma separated (default: measured here)")
+
+
+def tune(args: argparse.Namespace) -> int:
+    from serve_app.builder import ConfigError
+    from serve_app.distill.prompts import chat_prompts
+    from serve_app.models.neuron.compile import load_app_config
+    from serve_app.tune import Projection, tune as run_tune
+
+    try:
+        app = load_app_config(Path(args.config), args.app)
+        batches = [int(b) for b in args.batches.split(",")]
+        prompts = (Path(args.prompts).read_text().splitlines() if args.prompts else chat_prompts("heldout"))
+        prompts = [p for p in prompts if p.strip()][: args.num_prompts]
+        if not prompts or min(batches) < 1:
+            raise ValueError("need at least one prompt and batch sizes >= 1")
+        projection = None
+        if args.project == "trn2":
+            projection = Projection.trn2_reference()
+            if args.project_costs:
+                costs = {k: float(v) for k, v in (kv.split("=") for kv in args.project_costs.split(","))}
+                projection = Projection(**{**projection.__dict__, **costs, "name": "your machine",
+                                           "source": "--project-costs"})
+        alphas = [float(a) for a in args.project_acceptance.split(",")] if args.project_acceptance else None
+        run_tune(app.engine, prompts, chat=not args.raw, max_tokens=args.max_tokens, batches=batches,
+                 out=Path(args.out), projection=projection, projection_alphas=alphas)
+    except (ConfigError, ModelLoadError, ModelSourceError, ValueError, TypeError, OSError) as e:
+        raise SystemExit(f"tune: {e}") from e
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="python -m serve_app", description=__doc__)
@@ -217,6 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _distill_parser(sub)
     _check_parser(sub)
     _compile_parser(sub)
+    _tune_parser(sub)
     args = parser.parse_args(argv)
-    commands = {"generate": generate, "distill": distill, "check-draft": check, "compile": compile_models}
+    commands = {"generate": generate, "distill": distill, "check-draft": check, "compile": compile_models,
+                "tune": tune}
     return commands[args.command](args)

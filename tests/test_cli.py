@@ -61,3 +61,32 @@ def test_embedded_default_with_chat_template():
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert "red" in out["text"].lower() and out["stats"]["target_forward_passes"] >= 2
+
+
+def test_tune_measures_and_recommends(tiny_models, tmp_path):
+    """``python -m serve_app tune CONFIG``: acceptance per position, measured and expected tok/s for
+    every k at each batch size, a recommendation, the Trainium2 projection, and the files."""
+    import yaml
+
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"applications": [{"name": "app", "import_path": "serve_app.builder:build_app",
+        "args": {"engine": {"model": str(tiny_models["qwen3"]), "dtype": "float32", "max_seq_len": 256,
+                            "speculation": {"draft": str(tiny_models["qwen3"]), "num_speculative_tokens": 2}}}}]}))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\nThe quick brown fox\n")
+    proc = subprocess.run([sys.executable, "-m", "serve_app", "tune", str(config), "--prompts", str(prompts),
+                           "--raw", "--max-tokens", "8", "--batches", "1,2", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "out" / "tune.json").read_text())
+    assert report["acceptance_per_position"] == [1.0, 1.0]  # the draft is the target
+    for b in ("1", "2"):
+        assert set(report["measured"][b]) == {"0", "1", "2"} and all(v > 0 for v in report["measured"][b].values())
+        assert report["recommended_k"][b] in (0, 1, 2)
+    assert set(report["projection"]["by_k"]) == {"0", "1", "2"}
+    assert report["projection"]["by_k"]["2"]["overlapped_x_plain"] > 1.0  # everything accepted pays there
+    assert "recommended: num_speculative_tokens" in proc.stdout
+
+    bad = subprocess.run([sys.executable, "-m", "serve_app", "tune", str(tmp_path / "missing.yaml")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "tune:" in bad.stderr
