@@ -383,7 +383,7 @@ def test_the_cost_model_policy_loses_nothing_and_its_k_0_costs_the_draft_no_step
     assert isinstance(engine.policy, BlockSizePolicy)
     assert [o.token_ids for o in engine.generate(prompts, GenerationParams(max_tokens=40))] == plain
     assert engine.policy.engine_wide.reached  # it was fed every round's outcome
-    assert engine.policy.verify.a > 0 and "draft" in engine.policy.drafts  # and its costs
+    assert engine.policy.plain_rounds > 0 and "draft" in engine.policy.drafts  # and its costs
 
     engine.policy = BlockSizePolicy(4, prior_alpha=0.0)
     steps = []

@@ -128,3 +128,15 @@ def test_pipelined_plain_rounds_make_plain_decoding_more_attractive():
         policy.record_costs(RoundCosts(5, cpu_verify(5), {"draft": (4, 0.010)}, 0.006))
     rows = [Row("a", 4, "draft")]
     assert sum(policy.choose(rows, plain_overhead_hidden=True)) <= sum(policy.choose(rows))
+
+
+def test_plain_rounds_cost_what_they_take_from_result_to_result():
+    """A plain round's call may take 15 ms while the replica's work around it makes rounds come 25 ms
+    apart: the policy weighs speculation against the 25."""
+    def learned(interval: float) -> int:
+        policy = BlockSizePolicy(max_k=2, prior_alpha=0.4)
+        for _ in range(30):
+            policy.record_costs(RoundCosts(1, 0.015, {}, None, batch=1, interval_s=interval))
+            policy.record_costs(RoundCosts(3, 0.020, {"draft": (2, 0.004)}, 0.002, batch=1))
+        return sum(policy.choose([Row("a", 2, "draft")]))
+    assert learned(0.015) == 0 and learned(0.025) > 0

@@ -176,7 +176,7 @@ class Engine:
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Admit what fits, run one speculation round; return an output for every running request."""
-        overhead, ahead_blocks = None, []
+        overhead, ahead_blocks, admitted = None, [], False
         if self._in_flight:  # a plain round sent ahead by an earlier step
             wait, start, _ = self._in_flight.popleft()
             result = wait()
@@ -184,7 +184,7 @@ class Engine:
         else:
             if self._round_end is not None:  # the engine's and its caller's work since the last round
                 overhead = time.perf_counter() - self._round_end
-            self._admit()
+            admitted = self._admit()
             if not self.running:
                 self._round_end = None
                 return []
@@ -197,10 +197,12 @@ class Engine:
                 result, ahead_blocks = self._verify_drafting_ahead(block)
         for proposer in self.proposers.values():
             proposer.observe(result)
-        self._round_end = time.perf_counter()
+        previous_end, self._round_end = self._round_end, time.perf_counter()
         elapsed = self._round_end - start
         tokens = len(result.seq_ids) + int(result.num_draft_tokens.sum())
-        self.last_costs = RoundCosts(tokens, self._round_end - verify_start, self._draft_s, overhead)
+        interval = None if previous_end is None or admitted else self._round_end - previous_end
+        self.last_costs = RoundCosts(tokens, self._round_end - verify_start, self._draft_s, overhead,
+                                     len(result.seq_ids), interval)
         self._draft_s = {}
         if self.policy is not None:
             self.policy.observe(result)
@@ -267,10 +269,11 @@ class Engine:
             self._in_flight.append((wait, time.perf_counter(), seq_ids))
             gained.update(seq_ids)
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
         """Cache prompts on the target, at most ``prefill_chunk`` tokens this step (the prompt started
-        earlier first); a sequence whose prompt is all cached enters its proposer and the round."""
-        budget = self.prefill_chunk
+        earlier first); a sequence whose prompt is all cached enters its proposer and the round.
+        Returns whether it did any of that."""
+        budget, admitted = self.prefill_chunk, False
         while budget is None or budget > 0:
             if self.prefilling:
                 req, parts = self.prefilling[0]
@@ -282,7 +285,8 @@ class Engine:
                 parts = [self.verifier.add_sequence(req.request_id, req.prompt_ids, req.params.sampling, n)]
                 self.prefilling.append((req, parts))
             else:
-                return
+                return admitted
+            admitted = True
             req.prefilled += n
             req.stats.target_forward_passes += int(n > 0)
             if budget is not None:
@@ -292,6 +296,7 @@ class Engine:
                 features = None if parts[0] is None else torch.cat(parts)  # type: ignore[arg-type]  # EAGLE reads them
                 self.proposers[req.method].add_sequence(req.request_id, req.prompt_ids, req.params.sampling, features)
                 self.running[req.request_id] = req
+        return admitted
 
     @staticmethod
     def _prefill_count(req: Request, budget: int | None) -> int:

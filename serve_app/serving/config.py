@@ -58,6 +58,12 @@ class DeploymentConfig(StrictModel):
     num_replicas: int | None = Field(None, ge=1, description="Fixed replica count (not with autoscaling_config).")
     autoscaling_config: AutoscalingConfig | None = Field(None, description="Scale replicas on load.")
     max_ongoing_requests: int = Field(32, ge=1, description="Requests a replica accepts before Serve queues them.")
+    max_queued_requests: int | None = Field(
+        None, ge=0,
+        description="Most requests a replica holds waiting for a KV-cache slot; past it a request gets a fast "
+        "503 with Retry-After instead of a long wait (and Serve's own queue in front of the replicas gets the "
+        "same bound). None: unbounded.",
+    )
     health_check_period_s: float = Field(10.0, gt=0, description="How often Serve checks a replica's health.")
     health_check_timeout_s: float = Field(30.0, gt=0, description="How long a health check may take.")
 
@@ -66,6 +72,9 @@ class DeploymentConfig(StrictModel):
         if self.num_replicas is not None and self.autoscaling_config is not None:
             raise ValueError("set either num_replicas or autoscaling_config, not both")
         return self
+
+
+API_KEY_ENV = "SERVE_APP_API_KEY"
 
 
 class AppConfig(StrictModel):
@@ -83,6 +92,13 @@ class AppConfig(StrictModel):
         "idle waits cost no CPU) or a Ray Compiled Graph per worker (~0.1 ms a hop, but its channel "
         "readers poll: the replica and each worker hold most of a core even when idle, which on a "
         "host with few cores slows the model itself; for hosts with cores to spare).",
+    )
+
+    api_key: str | None = Field(
+        None, min_length=8,
+        description=f"Key clients must send as `Authorization: Bearer <key>` on every /v1 route (401 otherwise); "
+        f"/health stays open for probes. Prefer the {API_KEY_ENV} environment variable (a Kubernetes Secret) to "
+        "writing it here. Neither set: no authentication.",
     )
 
     @property

@@ -27,7 +27,14 @@ GAUGE_REFRESH_S = 1.0
 
 
 class EngineDeadError(RuntimeError):
-    """The engine failed (a worker died); the replica must be replaced."""
+    """The engine failed (a worker died); the replica must be replaced. Its message is what a client
+    may see: what to do, nothing of the cause (actor ids, pids, addresses go to the log, under the
+    request id the client also gets)."""
+
+    def __init__(self, request_id: str | None = None):
+        super().__init__("the model worker serving this request failed and this replica is being replaced; "
+                         "retry the request")
+        self.request_id = request_id
 
 
 @dataclass
@@ -58,20 +65,25 @@ class EngineLoop:
     def num_running(self) -> int:
         return len(self._streams)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet holding a KV-cache slot (approximate: read across threads)."""
+        return max(0, len(self._streams) - self.engine.verifier.max_batch_size)
+
     def submit(self, prompt_ids: Sequence[int], params: GenerationParams,
                request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Validate and enqueue a request now (raising ``RequestError`` or ``EngineDeadError`` before
         any response starts), and return the stream of its outputs, one per round."""
-        if self.error is not None:
-            raise EngineDeadError(f"engine failed: {self.error}")
-        self.engine.validate(prompt_ids, params)
         request_id = request_id or f"r{next(self._ids)}"
+        if self.error is not None:
+            raise EngineDeadError(request_id)
+        self.engine.validate(prompt_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._commands.put(("add", request_id, list(prompt_ids), params))
         if self.error is not None:  # failed after the first check: _fail may not have seen this add
             self._streams.pop(request_id, None)
-            raise EngineDeadError(f"engine failed: {self.error}")
+            raise EngineDeadError(request_id)
         return self._outputs(request_id, stream)
 
     async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -80,7 +92,8 @@ class EngineLoop:
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
-                    raise EngineDeadError(f"engine failed: {item}") from item
+                    log.error("request %s failed: %s: %s", request_id, type(item).__name__, item)
+                    raise EngineDeadError(request_id) from item
                 finished = item.finished
                 yield item
         finally:

@@ -15,8 +15,10 @@ from serve_app.serving.engine_loop import EngineLoop
 
 
 class OpenAIFrontend:
-    def __init__(self, loop: EngineLoop, tokenizer: PreTrainedTokenizerBase, model_id: str, max_seq_len: int):
+    def __init__(self, loop: EngineLoop, tokenizer: PreTrainedTokenizerBase, model_id: str, max_seq_len: int,
+                 max_queued: int | None = None):
         self.loop, self.tokenizer, self.model_id, self.max_seq_len = loop, tokenizer, model_id, max_seq_len
+        self.max_queued = max_queued
 
     def _check_model(self, model: str) -> None:
         if model != self.model_id:
@@ -31,6 +33,9 @@ class OpenAIFrontend:
                                  else "messages", code="context_length_exceeded")
         if max_tokens is None:  # chat default: the rest of the context
             max_tokens = self.max_seq_len - len(prompt_ids)
+        if self.max_queued is not None and self.loop.num_waiting >= self.max_queued:
+            raise oa.OpenAIError(503, f"this replica is busy ({self.loop.num_waiting} requests waiting); retry shortly",
+                                 type_="service_unavailable", code="server_busy")
         try:
             return self.loop.submit(prompt_ids, req.generation_params(max_tokens), request_id)
         except RequestError as e:

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from serve_app.config import SpeculationMethod
 from serve_app.engine.request import GenerationParams, RequestOutput
@@ -38,10 +38,45 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI fields this server does not implement, with the values that ask for nothing: any other value
+# is refused with a 400 naming the field, so that a client asking for JSON, a tool call or log
+# probabilities never believes it got one.
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
+    "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "top_logprobs": (None, 0),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
+    "suffix": (None, ""),
+}
+
+
 class SamplingFields(BaseModel):
-    """Fields shared by both endpoints. Unknown fields are ignored, as OpenAI clients send extras."""
+    """Fields shared by both endpoints. Unknown fields are ignored, as OpenAI clients send extras
+    (``user``, ``metadata``); the OpenAI features in ``NEUTRAL`` are refused unless neutral."""
 
     model_config = ConfigDict(extra="ignore")
+
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    logit_bias: Any = None
+    top_logprobs: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    suffix: Any = None
+
+    @field_validator(*NEUTRAL, mode="before")
+    @classmethod
+    def _not_implemented(cls, v: Any, info: ValidationInfo) -> Any:
+        if v not in NEUTRAL[info.field_name]:
+            raise ValueError(f"{info.field_name} is not supported by this server (it generates plain text: no "
+                             "tool calls, no JSON mode, no log probabilities); omit it")
+        return v
 
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)

@@ -7,8 +7,10 @@ handle's ``generate`` / ``generate_stream`` / ``workers`` methods (see README).
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
@@ -19,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from serve_app.serving import openai_api as oa
-from serve_app.serving.config import AppConfig
+from serve_app.serving.config import API_KEY_ENV, AppConfig
 from serve_app.serving.engine_loop import EngineDeadError, EngineLoop
 from serve_app.serving.frontend import OpenAIFrontend
 from serve_app.serving.metrics import ServingMetrics
@@ -27,6 +29,7 @@ from serve_app.serving.replica import build_replica_engine
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="serve_app: speculative decoding on Ray Serve")
+RETRY_AFTER_S = 5  # busy, or a replica being replaced: worth trying again in a few seconds
 
 
 @app.exception_handler(RequestValidationError)
@@ -42,12 +45,20 @@ async def _invalid_request(request: Request, exc: RequestValidationError) -> JSO
 
 @app.exception_handler(oa.OpenAIError)
 async def _openai_error(request: Request, exc: oa.OpenAIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def _unavailable(exc: EngineDeadError) -> dict[str, Any]:
+    body = oa.error_body(str(exc), type_="service_unavailable", code="service_unavailable")
+    body["error"]["request_id"] = exc.request_id  # the key to the details in the replica's log
+    return body
 
 
 @app.exception_handler(EngineDeadError)
 async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-    return JSONResponse(oa.error_body(str(exc), type_="service_unavailable"), status_code=503)
+    headers = {"Retry-After": str(RETRY_AFTER_S), **({"x-request-id": exc.request_id} if exc.request_id else {})}
+    return JSONResponse(_unavailable(exc), status_code=503, headers=headers)
 
 
 async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
@@ -55,7 +66,7 @@ async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
         async for chunk in chunks:
             yield f"data: {json.dumps(chunk)}\n\n"
     except EngineDeadError as e:  # headers are sent: report in-band, then end the stream
-        yield f"data: {json.dumps(oa.error_body(str(e), type_='service_unavailable'))}\n\n"
+        yield f"data: {json.dumps(_unavailable(e))}\n\n"
     yield "data: [DONE]\n\n"
 
 
@@ -72,28 +83,43 @@ class SpeculativeLLMServer:
         self.metrics = ServingMetrics(model_id)
         self.replica = build_replica_engine(self.config, self.metrics)
         self.loop = EngineLoop(self.replica.engine, self.metrics)
-        self.api = OpenAIFrontend(self.loop, self.replica.tokenizer, model_id, self.config.engine.max_seq_len)
+        self.api = OpenAIFrontend(self.loop, self.replica.tokenizer, model_id, self.config.engine.max_seq_len,
+                                  self.config.deployment.max_queued_requests)
+        key = self.config.api_key or os.environ.get(API_KEY_ENV) or None
+        self.api_key = None if key is None else key.encode()
+
+    def _authorize(self, request: Request) -> None:
+        """/v1 routes: the configured key as a bearer token (compared in constant time), else a 401."""
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
+            raise oa.OpenAIError(401, "invalid or missing API key: send it as 'Authorization: Bearer <key>'",
+                                 type_="invalid_request_error", code="invalid_api_key")
 
     # ---- HTTP ---------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        if not self.loop.healthy:
-            return JSONResponse({"status": "unhealthy", "error": str(self.loop.error)}, status_code=503)
+        if not self.loop.healthy:  # the cause is in the replica's log, not for whoever can reach the port
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
         draft = self.replica.draft
         return JSONResponse({"status": "ok", "draft_available": draft.available if draft else None})
 
     @app.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
+    async def models(self, request: Request) -> dict[str, Any]:
+        self._authorize(request)
         return oa.models_body(self.config.served_model_id)
 
     @app.post("/v1/completions")
-    async def completions(self, body: oa.CompletionRequest) -> Any:
+    async def completions(self, body: oa.CompletionRequest, request: Request) -> Any:
+        self._authorize(request)
         if body.stream:
             return _streaming(self.api.completion_stream(body))
         return await self.api.completion(body)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: oa.ChatCompletionRequest) -> Any:
+    async def chat_completions(self, body: oa.ChatCompletionRequest, request: Request) -> Any:
+        self._authorize(request)
         if body.stream:
             return _streaming(self.api.chat_stream(body))
         return await self.api.chat(body)

@@ -91,6 +91,8 @@ class RoundCosts:
     verify_s: float  # the target's call (for a round sent ahead: from when the target could start it)
     draft_s: Mapping[str, tuple[int, float]]  # per proposer that drafted: (its longest block, seconds of its call)
     overhead_s: float | None  # the engine's and its caller's work since the last round (None: not measured)
+    batch: int = 0  # sequences in the round
+    interval_s: float | None = None  # from the last round's result to this one's, all included (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,11 @@ class BlockSizePolicy:
         self.draft_prior = draft_cost
         self.drafts: dict[str, LinearCost] = {}
         self.overhead = 0.0  # the engine's own seconds a round, outside the calls (EMA)
+        # A plain round's cost as served: result to result against the batch, everything included (a
+        # pipelined round hides its round trip, but not all of the replica's work: a call's duration
+        # alone would make plain decoding look cheaper than it is and speculation flap on and off).
+        self.plain = LinearCost(*verify_cost)
+        self.plain_rounds = 0
 
     # ---- learning ----------------------------------------------------------------------------
     def observe(self, result: VerifyResult) -> None:
@@ -137,6 +144,11 @@ class BlockSizePolicy:
             self.engine_wide.record(drafted, accepted)
 
     def record_costs(self, costs: RoundCosts) -> None:
+        if costs.tokens == costs.batch:  # a plain round
+            if costs.interval_s is not None:
+                self.plain.add(costs.batch, costs.interval_s)
+                self.plain_rounds += 1
+            return
         self.verify.add(costs.tokens, costs.verify_s)
         for method, (steps, seconds) in costs.draft_s.items():
             self._draft_cost(method).add(steps, seconds)
@@ -166,7 +178,8 @@ class BlockSizePolicy:
         if not rows:
             return []
         batch = len(rows)
-        plain_time = self.verify(batch) + (0.0 if plain_overhead_hidden else self.overhead)
+        plain_time = (self.plain(batch) if self.plain_rounds >= 8 else
+                      self.verify(batch) + (0.0 if plain_overhead_hidden else self.overhead))
         best, best_rate = [0] * batch, batch / max(plain_time, 1e-9)
         top = min(self.max_k, max(r.cap for r in rows))
         if top <= 0:
@@ -205,4 +218,5 @@ class BlockSizePolicy:
             "verify_s": {"fixed": round(self.verify.a, 6), "per_token": round(self.verify.b, 6)},
             "draft_s": {m: {"fixed": round(c.a, 6), "per_step": round(c.b, 6)} for m, c in self.drafts.items()},
             "overhead_s": round(self.overhead, 6),
+            "plain_round_s": {"fixed": round(self.plain.a, 6), "per_sequence": round(self.plain.b, 6)},
         }
