@@ -75,7 +75,6 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         "placement_group_strategy": "STRICT_PACK",
         "ray_actor_options": {"num_cpus": config.placement.replica_cpus},
         "max_ongoing_requests": d.max_ongoing_requests,
-        "max_queued_requests": -1 if d.max_queued_requests is None else d.max_queued_requests,
         "health_check_period_s": d.health_check_period_s,
         "health_check_timeout_s": d.health_check_timeout_s,
     }

@@ -61,8 +61,8 @@ class DeploymentConfig(StrictModel):
     max_queued_requests: int | None = Field(
         None, ge=0,
         description="Most requests a replica holds waiting for a KV-cache slot; past it a request gets a fast "
-        "503 with Retry-After instead of a long wait (and Serve's own queue in front of the replicas gets the "
-        "same bound). None: unbounded.",
+        "503 (OpenAI error body, code server_busy) with Retry-After instead of a long wait. None: unbounded. "
+        "(Serve's own max_queued_requests is left unbounded: its 503 is plain text without Retry-After.)",
     )
     health_check_period_s: float = Field(10.0, gt=0, description="How often Serve checks a replica's health.")
     health_check_timeout_s: float = Field(30.0, gt=0, description="How long a health check may take.")

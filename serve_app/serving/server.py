@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
@@ -57,8 +57,8 @@ def _unavailable(exc: EngineDeadError) -> dict[str, Any]:
 
 @app.exception_handler(EngineDeadError)
 async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S), **({"x-request-id": exc.request_id} if exc.request_id else {})}
-    return JSONResponse(_unavailable(exc), status_code=503, headers=headers)
+    # Serve sets its own x-request-id header (its access log's key); the body names ours (the engine log's)
+    return JSONResponse(_unavailable(exc), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
@@ -88,11 +88,11 @@ class SpeculativeLLMServer:
         key = self.config.api_key or os.environ.get(API_KEY_ENV) or None
         self.api_key = None if key is None else key.encode()
 
-    def _authorize(self, request: Request) -> None:
+    def _authorize(self, authorization: str | None) -> None:
         """/v1 routes: the configured key as a bearer token (compared in constant time), else a 401."""
         if self.api_key is None:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
             raise oa.OpenAIError(401, "invalid or missing API key: send it as 'Authorization: Bearer <key>'",
                                  type_="invalid_request_error", code="invalid_api_key")
@@ -106,20 +106,20 @@ class SpeculativeLLMServer:
         return JSONResponse({"status": "ok", "draft_available": draft.available if draft else None})
 
     @app.get("/v1/models")
-    async def models(self, request: Request) -> dict[str, Any]:
-        self._authorize(request)
+    async def models(self, authorization: str | None = Header(None)) -> dict[str, Any]:
+        self._authorize(authorization)
         return oa.models_body(self.config.served_model_id)
 
     @app.post("/v1/completions")
-    async def completions(self, body: oa.CompletionRequest, request: Request) -> Any:
-        self._authorize(request)
+    async def completions(self, body: oa.CompletionRequest, authorization: str | None = Header(None)) -> Any:
+        self._authorize(authorization)
         if body.stream:
             return _streaming(self.api.completion_stream(body))
         return await self.api.completion(body)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: oa.ChatCompletionRequest, request: Request) -> Any:
-        self._authorize(request)
+    async def chat_completions(self, body: oa.ChatCompletionRequest, authorization: str | None = Header(None)) -> Any:
+        self._authorize(authorization)
         if body.stream:
             return _streaming(self.api.chat_stream(body))
         return await self.api.chat(body)
