@@ -202,7 +202,7 @@ class Engine:
         tokens = len(result.seq_ids) + int(result.num_draft_tokens.sum())
         interval = None if previous_end is None or admitted else self._round_end - previous_end
         self.last_costs = RoundCosts(tokens, self._round_end - verify_start, self._draft_s, overhead,
-                                     len(result.seq_ids), interval)
+                                     len(result.seq_ids), interval, len(result.seq_ids) + int(result.num_accepted.sum()))
         self._draft_s = {}
         if self.policy is not None:
             self.policy.observe(result)

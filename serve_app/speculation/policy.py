@@ -93,6 +93,7 @@ class RoundCosts:
     overhead_s: float | None  # the engine's and its caller's work since the last round (None: not measured)
     batch: int = 0  # sequences in the round
     interval_s: float | None = None  # from the last round's result to this one's, all included (None: unknown)
+    gained: int = 0  # tokens the round added over the batch (accepted drafts + one each)
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,17 @@ class Row:
     method: str
 
 
+GUARD_ROUNDS = 8  # realized rounds of each kind, at a batch size, before the guard judges it
+EXPLORE_EVERY, EXPLORE_FOR = 100, 4  # while the guard holds speculation off: rounds that try it anyway
+
+
 class BlockSizePolicy:
+    """The guard: the model above can be wrong where costs it does not see (a draft catching up after
+    plain rounds, the pipeline of plain rounds draining) decide. So the realized tokens per second of
+    speculative and of plain rounds are tracked per batch size, result to result; where speculation
+    realizes less than plain decoding, plain rounds are chosen, and a few rounds in a hundred try the
+    model's choice again to see whether that still holds."""
+
     def __init__(self, max_k: int, prior_alpha: float = 0.6, prior_weight: float = 4.0,
                  seq_decay: float = 0.9, global_decay: float = 0.99,
                  verify_cost: tuple[float, float] = (0.015, 0.001), draft_cost: tuple[float, float] = (0.002, 0.002)):
@@ -125,6 +136,8 @@ class BlockSizePolicy:
         # alone would make plain decoding look cheaper than it is and speculation flap on and off).
         self.plain = LinearCost(*verify_cost)
         self.plain_rounds = 0
+        self.realized: dict[tuple[bool, int], tuple[float, int]] = {}  # (speculative, batch) -> (EMA tok/s, rounds)
+        self.held: dict[int, int] = {}  # rounds the model chose to speculate, per batch size (the guard's clock)
 
     # ---- learning ----------------------------------------------------------------------------
     def observe(self, result: VerifyResult) -> None:
@@ -144,6 +157,11 @@ class BlockSizePolicy:
             self.engine_wide.record(drafted, accepted)
 
     def record_costs(self, costs: RoundCosts) -> None:
+        if costs.interval_s and costs.gained:
+            key = (costs.tokens > costs.batch, costs.batch)
+            rate, n = self.realized.get(key, (0.0, 0))
+            now = costs.gained / costs.interval_s
+            self.realized[key] = (now if n == 0 else 0.9 * rate + 0.1 * now, n + 1)
         if costs.tokens == costs.batch:  # a plain round
             if costs.interval_s is not None:
                 self.plain.add(costs.batch, costs.interval_s)
@@ -174,7 +192,28 @@ class BlockSizePolicy:
         return out
 
     def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]:
-        """k for each row, to maximise expected tokens per second of this round."""
+        """k for each row, to maximise expected tokens per second of this round (within the guard)."""
+        ks = self._model_choice(rows, plain_overhead_hidden)
+        batch = len(rows)
+        if not any(ks):
+            return ks
+        spec_seen = self.realized.get((True, batch), (0.0, 0))[1]
+        if spec_seen < GUARD_ROUNDS:
+            return ks
+        n = self.held[batch] = self.held.get(batch, 0) + 1
+        if self.realized.get((False, batch), (0.0, 0))[1] < GUARD_ROUNDS and n % EXPLORE_EVERY < GUARD_ROUNDS:
+            return [0] * batch  # measure plain rounds at this batch size too, to judge by
+        if self.speculation_loses(batch) and n % EXPLORE_EVERY >= EXPLORE_FOR:
+            return [0] * batch
+        return ks
+
+    def speculation_loses(self, batch: int) -> bool:
+        spec, plain = self.realized.get((True, batch)), self.realized.get((False, batch))
+        if spec is None or plain is None or min(spec[1], plain[1]) < GUARD_ROUNDS:
+            return False
+        return spec[0] < plain[0]
+
+    def _model_choice(self, rows: Sequence[Row], plain_overhead_hidden: bool) -> list[int]:
         if not rows:
             return []
         batch = len(rows)
