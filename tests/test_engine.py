@@ -15,7 +15,7 @@ from serve_app.engine.request import GenerationParams
 from serve_app.speculation.policy import BlockSizePolicy
 from serve_app.speculation.types import SamplingParams
 from tests.conftest import perturbed_copy
-from tests.helpers import engine_for, hf_greedy
+from tests.helpers import engine_for, hf_greedy, top_k_marginal
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef mul(a, b):",
@@ -411,16 +411,7 @@ def test_sampling_stays_exact_when_k_follows_each_sequences_acceptance(tiny_mode
                                                          sampling=SamplingParams(temperature=1.0, top_k=3, seed=None))
                                         for _ in range(n)])
     counts = Counter(o.token_ids[1] for o in outs)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-
-    def top3(prefix):
-        with torch.no_grad():
-            logits = model(torch.tensor([prefix])).logits[0, -1]
-        v, i = logits.topk(3)
-        return torch.zeros_like(logits).scatter(0, i, torch.softmax(v, 0))
-
-    p1 = top3(ids)
-    marginal = sum(p1[x] * top3(ids + [x]) for x in p1.nonzero()[:, 0].tolist()).double()
+    marginal = top_k_marginal(target, ids, 1)
     support = marginal.nonzero()[:, 0].tolist()
     assert set(counts) <= set(support)
     observed = [counts.get(t, 0) for t in support]

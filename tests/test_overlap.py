@@ -8,13 +8,12 @@ from collections import Counter
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import AutoModelForCausalLM
 
 from serve_app.builder import ConfigError, parse_config
 from serve_app.engine.request import GenerationParams
 from serve_app.models.runner import ModelRunner, RunnerConfig
 from serve_app.speculation.types import SamplingParams
-from tests.helpers import engine_for, hf_greedy
+from tests.helpers import engine_for, hf_greedy, top_k_marginal
 from tests.test_engine import PROMPTS
 
 
@@ -85,21 +84,7 @@ def test_sampled_output_follows_the_target_distribution(tiny_models):
                                                          sampling=SamplingParams(temperature=1.0, top_k=3, seed=i))
                                         for i in range(n)])
     counts = Counter(o.token_ids[3] for o in outs)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-
-    def top3(prefix):
-        with torch.no_grad():
-            logits = model(torch.tensor([prefix])).logits[0, -1]
-        v, i = logits.topk(3)
-        return torch.zeros_like(logits).scatter(0, i, torch.softmax(v, 0))
-
-    def marginal(prefix, depth):
-        p = top3(prefix)
-        if depth == 0:
-            return p
-        return sum(p[t] * marginal(prefix + [t], depth - 1) for t in p.nonzero()[:, 0].tolist())
-
-    m = marginal(ids, 3)
+    m = top_k_marginal(target, ids, 3)
     support = m.nonzero()[:, 0].tolist()
     assert set(counts) <= set(support)
     observed = [counts.get(t, 0) for t in support]
