@@ -77,6 +77,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         "max_ongoing_requests": d.max_ongoing_requests,
         "health_check_period_s": d.health_check_period_s,
         "health_check_timeout_s": d.health_check_timeout_s,
+        "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s,
     }
     if d.autoscaling_config is not None:
         options["autoscaling_config"] = d.autoscaling_config.model_dump(exclude_none=True)

@@ -114,3 +114,6 @@ def smollm2_path() -> Path:
     from serve_app.models.sources import resolve
 
     return resolve("smollm2-135m-instruct")
+
+
+from tests.serve_cluster import cluster, metrics_port  # noqa: E402, F401  (the Serve tests' Ray cluster)

@@ -429,3 +429,39 @@ def test_a_seeded_request_keeps_its_k_so_its_samples_reproduce(tiny_models):
     engine.policy = BlockSizePolicy(3, prior_alpha=0.0)  # would pick k = 0 for anyone it may choose for
     again = engine.generate([ids], params)[0]
     assert again.token_ids == first.token_ids and again.stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("draft", ["qwen3_draft", "ngram", "eagle"])
+def test_requests_requeued_onto_a_fresh_target_go_on_as_if_undisturbed(tiny_models, tiny_eagle, draft):
+    """What a replica does when its target worker dies (``ReplicaEngine.resume``): a new target with
+    no sequences takes over, every admitted request (running, or its prompt half cached) goes back to
+    the queue and re-prefills its prompt plus what it has generated. Greedy outputs are those of an
+    undisturbed run and of transformers; the tokens reported before stay reported."""
+    target = tiny_models["llama"] if draft == "eagle" else tiny_models["qwen3"]
+    source = {"eagle": tiny_eagle / "draft", "ngram": "ngram"}.get(draft) or tiny_models[draft]
+    engine = engine_for(target, draft=source, k=3, prefill_chunk_tokens=6)
+    long = engine.tokenizer.encode(" ".join(PROMPTS))
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:3]] + [long]
+    params = GenerationParams(max_tokens=30, ignore_eos=True)
+    expected = engine_for(target, draft=source, k=3).generate(prompts, params)
+
+    ids = [engine.add_request(p, params) for p in prompts]
+    reported: dict[str, list[int]] = {}
+    for _ in range(6):
+        for out in engine.step():
+            reported[out.request_id] = out.token_ids
+    assert engine.running and (engine.prefilling or engine.waiting)  # the long prompt is still being cached
+    admitted = len(engine.running) + len(engine.prefilling)
+    engine.verifier = engine_for(target, draft=source, k=3).verifier  # the new worker: no sequences
+    assert engine.requeue_admitted() == admitted
+    assert not engine.running and not engine.prefilling and [r.request_id for r in engine.waiting] == ids
+    final = {}
+    while engine.has_work:
+        for out in engine.step():
+            assert out.token_ids[:len(reported.get(out.request_id, []))] == reported.get(out.request_id, [])
+            if out.finished:
+                final[out.request_id] = out
+    for request_id, e, p in zip(ids, expected, prompts, strict=True):
+        assert final[request_id].token_ids == e.token_ids == hf_greedy(target, p, 30)
+        assert final[request_id].text == e.text
+    assert engine.verifier.free_slots == 4

@@ -169,6 +169,25 @@ class Engine:
                 pass
         return dropped
 
+    def requeue_admitted(self) -> int:
+        """After the target lost every sequence's state (its worker died and a new one took its
+        place): every admitted request goes back to the head of the queue, oldest first, to cache its
+        prompt plus the tokens it has generated and go on from there; the tokens already reported
+        stay reported. Rounds in flight are dropped (their tokens were never reported). Proposers
+        forget the sequences too and take them again at re-admission. Returns how many requeued."""
+        self._in_flight.clear()
+        self._round_end = None
+        admitted = sorted([r for r, _ in self.prefilling] + list(self.running.values()), key=lambda r: r.arrival)
+        self.prefilling.clear()
+        self.running.clear()
+        for req in admitted:
+            if self.ahead is not None:
+                self.ahead.drop(req.request_id)
+            self.proposers[req.method].remove_sequence(req.request_id)
+            req.prefilled = 0
+        self.waiting.extendleft(reversed(admitted))
+        return len(admitted)
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running or self._in_flight)
@@ -280,9 +299,10 @@ class Engine:
                 n = self._prefill_count(req, budget)
                 parts.append(self.verifier.continue_prefill(req.request_id, n))  # type: ignore[attr-defined]
             elif self.waiting and self.verifier.free_slots > 0:
-                req = self.waiting.popleft()
+                req = self.waiting[0]
                 n = self._prefill_count(req, budget)
-                parts = [self.verifier.add_sequence(req.request_id, req.prompt_ids, req.params.sampling, n)]
+                parts = [self.verifier.add_sequence(req.request_id, req.context_ids, req.params.sampling, n)]
+                self.waiting.popleft()  # only once the target holds it: a failed call leaves it queued
                 self.prefilling.append((req, parts))
             else:
                 return admitted
@@ -291,16 +311,16 @@ class Engine:
             req.stats.target_forward_passes += int(n > 0)
             if budget is not None:
                 budget -= max(n, 1)  # a one-token prompt caches nothing, but admitting it is a call
-            if req.prefilled == len(req.prompt_ids) - 1:
+            if req.prefilled == len(req.context_ids) - 1:
                 self.prefilling.popleft()
                 features = None if parts[0] is None else torch.cat(parts)  # type: ignore[arg-type]  # EAGLE reads them
-                self.proposers[req.method].add_sequence(req.request_id, req.prompt_ids, req.params.sampling, features)
+                self.proposers[req.method].add_sequence(req.request_id, req.context_ids, req.params.sampling, features)
                 self.running[req.request_id] = req
         return admitted
 
     @staticmethod
     def _prefill_count(req: Request, budget: int | None) -> int:
-        left = len(req.prompt_ids) - 1 - req.prefilled  # the last prompt token is scored by the first round
+        left = len(req.context_ids) - 1 - req.prefilled  # the last token is scored by the first round
         return left if budget is None else min(left, budget)
 
     def _budget_cap(self, requests: Sequence[Request]) -> int | None:

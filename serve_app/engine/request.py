@@ -67,7 +67,7 @@ class Request:
     stats: SpecStats = field(default_factory=SpecStats)
     arrival: float = field(default_factory=time.perf_counter)
     finished_at: float | None = None
-    prefilled: int = 0  # prompt tokens cached on the target (chunked prefill)
+    prefilled: int = 0  # context tokens cached on the target (chunked prefill)
     # Incremental detokenization (vLLM's prefix/read offsets): text is extended by decoding only the
     # tokens since ``prefix_offset``, never the whole output again.
     prefix_offset: int = 0  # decoding starts here, at the previous round's tokens, so the window decodes in context
@@ -76,6 +76,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def context_ids(self) -> list[int]:
+        """What the target caches at admission: the prompt, plus the tokens generated before a
+        target restart made the request start over (``Engine.requeue_admitted``)."""
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
 
     def append(self, tokens: list[int], eos_ids: frozenset[int], tokenizer: PreTrainedTokenizerBase) -> None:
         """Take a round's new tokens one by one until a stop condition; later ones are dropped."""

@@ -64,6 +64,21 @@ class DeploymentConfig(StrictModel):
         "503 (OpenAI error body, code server_busy) with Retry-After instead of a long wait. None: unbounded. "
         "(Serve's own max_queued_requests is left unbounded: its 503 is plain text without Retry-After.)",
     )
+    target_restart_timeout_s: float = Field(
+        300.0, ge=0,
+        description="When the target worker is lost (killed, crashed or hung), the replica starts a new one in the "
+        "same placement-group bundle and resumes every request in flight: it caches the prompt plus the tokens "
+        "already sent and goes on, so clients see a pause, not an error. Requests fail (503 service_unavailable) "
+        "only if the new worker is not serving within this many seconds. Size it to the target's load time "
+        "(seconds on CPU; minutes for a large model on Trainium). 0: fail requests at once and let Serve "
+        "replace the replica.",
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        120.0, ge=0,
+        description="A replica being stopped (downscale, redeploy, a KubeRay upgrade) stops taking requests "
+        "and finishes those in flight for up to this many seconds before it is killed (Serve's option). Keep "
+        "the pod's terminationGracePeriodSeconds above it.",
+    )
     health_check_period_s: float = Field(10.0, gt=0, description="How often Serve checks a replica's health.")
     health_check_timeout_s: float = Field(30.0, gt=0, description="How long a health check may take.")
 

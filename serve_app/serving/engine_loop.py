@@ -3,8 +3,12 @@
 The engine is synchronous (each round blocks on the workers); the replica's event loop must keep
 serving HTTP meanwhile. Requests enter through a thread-safe queue; outputs go back to each
 request's asyncio queue with ``call_soon_threadsafe``. A client that goes away aborts its request.
-If a round fails (the target worker died), every request in flight gets the error at once and the
-loop refuses new work, so nothing hangs and Serve's health check replaces the replica.
+
+If a round fails, the loop first asks ``resume`` (the replica's: a lost target worker is replaced and
+the requests in flight start over from their prompt plus what they have generated, so their streams
+pause and go on). If that cannot help (another error, no new worker in time, or a second failure
+before any round got through), every request in flight gets the error at once and the loop refuses
+new work, so nothing hangs and Serve's health check replaces the replica.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from serve_app.engine.engine import Engine
@@ -47,9 +51,12 @@ class _Stream:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, metrics: ServingMetrics | None = None):
+    def __init__(self, engine: Engine, metrics: ServingMetrics | None = None,
+                 resume: Callable[[BaseException], bool] | None = None):
+        """``resume(error)``: try to recover from a failed round (True: the engine can go on)."""
         self.engine = engine
         self.metrics = metrics
+        self.resume = resume
         self.error: BaseException | None = None
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
@@ -104,6 +111,7 @@ class EngineLoop:
     # ---- the engine thread --------------------------------------------------------------------
     def _run(self) -> None:
         refreshed = 0.0
+        progressed = True  # a round got through since the last resume: a failure now is a new one
         while True:
             self._drain(block=not self.engine.has_work)
             if self.metrics and time.perf_counter() - refreshed > GAUGE_REFRESH_S:
@@ -114,11 +122,24 @@ class EngineLoop:
             try:
                 outputs = self.engine.step()
             except BaseException as e:  # noqa: BLE001 - every in-flight request must hear of it
+                if progressed and self._resumed(e):
+                    progressed = False
+                    continue
                 self._fail(e)
                 return
+            progressed = progressed or bool(outputs)
             now = time.perf_counter()
             for out in outputs:
                 self._deliver(out, now)
+
+    def _resumed(self, error: BaseException) -> bool:
+        if self.resume is None:
+            return False
+        try:
+            return self.resume(error)
+        except Exception:  # noqa: BLE001 - recovery failing is one more reason to fail the requests
+            log.exception("resuming after a failed round failed")
+            return False
 
     def _drain(self, block: bool) -> None:
         while True:

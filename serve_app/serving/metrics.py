@@ -13,6 +13,8 @@ Names follow vLLM's where one exists (``vllm:spec_decode_num_drafts`` ->
 - ``serve_app_spec_decode_round_latency_seconds``: one draft + verify round of the whole batch
 - ``serve_app_time_to_first_token_seconds``, ``serve_app_inter_token_latency_seconds``
 - ``serve_app_draft_worker_available`` (1/0) and ``serve_app_draft_worker_failures``
+- ``serve_app_target_worker_restarts`` (outcome: resumed / failed) and
+  ``serve_app_target_worker_resume_seconds``: a lost target worker replaced, its requests resumed
 - ``serve_app_num_requests_running`` / ``serve_app_num_requests_waiting`` (vLLM's names)
 
 Gauges vanish from Ray's exporter a few seconds after their last write, so the engine loop calls
@@ -63,6 +65,18 @@ class ServingMetrics:
         self._draft_available: int | None = None
         self.draft_failures = metrics.Counter(
             "serve_app_draft_worker_failures", "Draft worker failures (the replica fell back or restarted).", keys)
+
+        self.target_restarts = metrics.Counter(
+            "serve_app_target_worker_restarts", "Target workers lost and replaced (outcome: resumed / failed).",
+            keys + ("outcome",))
+        self.resume_seconds = metrics.Histogram(
+            "serve_app_target_worker_resume_seconds", "From a lost target worker to its requests resumed.",
+            TTFT_BUCKETS + [102.4, 204.8, 409.6], keys)
+
+    def on_target_restart(self, resumed: bool, seconds: float) -> None:
+        self.target_restarts.inc(1, {**self.tags, "outcome": "resumed" if resumed else "failed"})
+        if resumed:
+            self.resume_seconds.observe(seconds, self.tags)
 
     def on_round(self, result: VerifyResult, seconds: float) -> None:
         self.round_latency.observe(seconds, self.tags)

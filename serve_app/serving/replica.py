@@ -8,6 +8,7 @@ when the draft is a model; n-gram lookup runs in the replica, it needs no accele
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from serve_app.speculation.proposers.hybrid import HybridProposer
 from serve_app.speculation.proposers.ngram import NgramProposer
 from serve_app.workers.draft_worker import DraftWorker
 from serve_app.workers.placement import worker_resources
-from serve_app.workers.remote import RemoteDraftProposer, RemoteVerifier
+from serve_app.workers.remote import RemoteDraftProposer, RemoteVerifier, WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +62,42 @@ def actor_options(p: PlacementConfig, cores: int, bundle: int) -> dict[str, Any]
 class ReplicaEngine:
     engine: Engine
     tokenizer: PreTrainedTokenizerBase
-    target: Any  # TargetWorker actor handle
+    verifier: RemoteVerifier
     draft: RemoteDraftProposer | None
+    target_restart_timeout_s: float = 0.0
+    metrics: ServingMetrics | None = None
+
+    @property
+    def target(self) -> Any:
+        """The TargetWorker actor handle serving now."""
+        return self.verifier.actor
+
+    def resume(self, error: BaseException) -> bool:
+        """A round failed. If the target worker was lost, start a new one and requeue every admitted
+        request to re-prefill its prompt plus what it has generated (``Engine.requeue_admitted``), so
+        streams pause and go on. Returns False (the caller fails the requests) for any other error,
+        when resuming is off, or when the new worker is not up within ``target_restart_timeout_s``."""
+        if not isinstance(error, WorkerError) or not error.lost or self.target_restart_timeout_s <= 0:
+            return False
+        start = time.perf_counter()
+        requeued = self.engine.requeue_admitted()
+        log.warning("%s; starting a new target worker, %d requests resume when it is up", error, requeued)
+        try:
+            self.verifier.restart(self.target_restart_timeout_s)
+        except WorkerError as e:
+            log.error("the new target worker did not come up within %.0f s: %s", self.target_restart_timeout_s, e)
+            if self.metrics:
+                self.metrics.on_target_restart(False, time.perf_counter() - start)
+            return False
+        seconds = time.perf_counter() - start
+        log.warning("target worker replaced in %.1f s (pid %d); %d requests resume", seconds, self.verifier.info.pid,
+                    requeued)
+        if self.metrics:
+            self.metrics.on_target_restart(True, seconds)
+        return True
 
     def close(self) -> None:
-        self.engine.verifier.close()  # type: ignore[attr-defined]
+        self.verifier.close()
         if self.draft is not None:
             self.draft.close()
 
@@ -88,9 +120,12 @@ def build_replica_engine(config: AppConfig, metrics: ServingMetrics | None = Non
         check_draft(target_path, draft_path)  # fails at startup, naming what differs
     features, taps = shipped_features(engine_cfg, draft_path) if draft_path is not None else (False, ())
 
-    target = ray.remote(TargetWorker).options(**actor_options(p, p.target_cores, TARGET_BUNDLE)).remote(
-        str(target_path), rc, p.accelerator, engine_cfg.num_threads, features, taps)
-    workers = {"target": ray.get(target.info.remote())}  # waits for the model to load; raises its error
+    def spawn_target() -> Any:
+        return ray.remote(TargetWorker).options(**actor_options(p, p.target_cores, TARGET_BUNDLE)).remote(
+            str(target_path), rc, p.accelerator, engine_cfg.num_threads, features, taps)
+
+    verifier = RemoteVerifier(spawn_target, engine_cfg.max_batch_size, compiled)  # waits for the model to load
+    workers = {"target": verifier.info}
     tokenizer = AutoTokenizer.from_pretrained(target_path)
 
     proposers: dict[SpeculationMethod, Proposer] = {
@@ -117,7 +152,7 @@ def build_replica_engine(config: AppConfig, metrics: ServingMetrics | None = Non
             metrics.on_draft_state(True)
 
     engine = Engine(
-        RemoteVerifier(target, engine_cfg.max_batch_size, compiled),  # type: ignore[arg-type]
+        verifier,  # type: ignore[arg-type]
         proposers,
         tokenizer,
         default_method=spec.method,
@@ -132,4 +167,4 @@ def build_replica_engine(config: AppConfig, metrics: ServingMetrics | None = Non
         max_prompt_len=prefill_limit(engine_cfg),
     )
     log.info("replica ready: %s", {k: (v.pid, v.visible_cores) for k, v in workers.items()})
-    return ReplicaEngine(engine, tokenizer, target, draft)
+    return ReplicaEngine(engine, tokenizer, verifier, draft, config.deployment.target_restart_timeout_s, metrics)

@@ -82,7 +82,7 @@ class SpeculativeLLMServer:
         model_id = self.config.served_model_id
         self.metrics = ServingMetrics(model_id)
         self.replica = build_replica_engine(self.config, self.metrics)
-        self.loop = EngineLoop(self.replica.engine, self.metrics)
+        self.loop = EngineLoop(self.replica.engine, self.metrics, resume=self.replica.resume)
         self.api = OpenAIFrontend(self.loop, self.replica.tokenizer, model_id, self.config.engine.max_seq_len,
                                   self.config.deployment.max_queued_requests)
         key = self.config.api_key or os.environ.get(API_KEY_ENV) or None

@@ -37,6 +37,12 @@ class DraftWorker(WorkerBase):
                 self.proposer.observe(result)
             return self.proposer.propose(seq_ids, num_tokens)
 
+    def observe(self, previous: tuple[VerifyResult, ...]) -> None:
+        """Learn outcomes without drafting (before a sequence is taken again under the same id)."""
+        with self.lock:
+            for result in previous:
+                self.proposer.observe(result)
+
     def propose_ahead(self, request: tuple[tuple[VerifyResult, ...], tuple[str, ...], tuple[int, ...]]
                       ) -> tuple[list[int], ProposalBlock]:
         """Overlapped rounds: the next blocks, drafted while the target verifies the last ones

@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayError
 
 from serve_app.speculation.types import PAD_TOKEN, ProposalBlock, SamplingParams, VerifyResult
 
@@ -31,7 +31,17 @@ MAX_DRAFT_RESTARTS = 3  # past this the replica decodes plainly until it is repl
 
 
 class WorkerError(RuntimeError):
-    """A worker died or hung; the message names which."""
+    """A worker died, hung or raised; the message names which (for the log, never for clients).
+    ``lost``: the worker is gone or hung (a new one can take over), not a call that raised."""
+
+    def __init__(self, message: str, lost: bool = False):
+        super().__init__(message)
+        self.lost = lost
+
+    @classmethod
+    def of(cls, role: str, error: Exception) -> WorkerError:
+        lost = isinstance(error, (ActorDiedError, ActorUnavailableError, GetTimeoutError))
+        return cls(f"{role} worker failed: {type(error).__name__}: {error}", lost)
 
 
 class RoundChannel:
@@ -65,16 +75,27 @@ class RoundChannel:
 
 
 class RemoteVerifier:
-    """The engine's target side, on a ``TargetWorker`` actor."""
+    """The engine's target side, on a ``TargetWorker`` actor. ``restart`` replaces a lost actor with a
+    new one in the same placement-group bundle (the engine then re-admits its requests)."""
 
-    def __init__(self, actor: Any, max_batch_size: int, compiled: bool):
-        self.actor = actor
+    def __init__(self, spawn: Callable[[], Any], max_batch_size: int, compiled: bool):
+        """``spawn()`` creates a TargetWorker actor (in this replica's placement group)."""
+        self.spawn, self.compiled = spawn, compiled
         self.max_batch_size = max_batch_size
         self.active: set[str] = set()
-        self.channel = RoundChannel(actor, "verify", compiled)
+        self.actor = spawn()
+        self.info = self._call(self.actor.info.remote())  # waits for the model to load; raises its error
+        self.channel = RoundChannel(self.actor, "verify", compiled)
         # Plain rounds may be sent ahead (Engine) only where the actor runs calls in the order sent:
         # a compiled graph runs its rounds on a thread of its own, unordered with add/remove calls.
         self.can_send_ahead = not compiled
+
+    @staticmethod
+    def _call(ref: Any, timeout: float | None = None) -> Any:
+        try:
+            return ray.get(ref, timeout=timeout)
+        except (RayError, GetTimeoutError) as e:
+            raise WorkerError.of("target", e) from e
 
     @property
     def free_slots(self) -> int:
@@ -82,18 +103,13 @@ class RemoteVerifier:
 
     def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                      prefill: int | None = None) -> torch.Tensor | None:
-        try:
-            features = ray.get(self.actor.add_sequence.remote(seq_id, list(prompt_ids), params, prefill=prefill))
-        except RayError as e:
-            raise WorkerError(f"target worker failed: {e}") from e
+        features = self._call(self.actor.add_sequence.remote(seq_id, list(prompt_ids), params, prefill=prefill),
+                              ROUND_TIMEOUT_S)
         self.active.add(seq_id)
         return features
 
     def continue_prefill(self, seq_id: str, count: int | None = None) -> torch.Tensor | None:
-        try:
-            return ray.get(self.actor.continue_prefill.remote(seq_id, count))
-        except RayError as e:
-            raise WorkerError(f"target worker failed: {e}") from e
+        return self._call(self.actor.continue_prefill.remote(seq_id, count), ROUND_TIMEOUT_S)
 
     def remove_sequence(self, seq_id: str) -> None:
         if seq_id in self.active:
@@ -108,15 +124,28 @@ class RemoteVerifier:
         try:
             wait = self.channel.send(block)
         except (RayError, GetTimeoutError) as e:
-            raise WorkerError(f"target worker failed: {type(e).__name__}: {e}") from e
+            raise WorkerError.of("target", e) from e
 
         def result() -> VerifyResult:
             try:
                 return wait()
             except (RayError, GetTimeoutError) as e:
-                raise WorkerError(f"target worker failed: {type(e).__name__}: {e}") from e
+                raise WorkerError.of("target", e) from e
 
         return result
+
+    def restart(self, timeout_s: float) -> None:
+        """Replace the actor: kill what is left of it, start a new one in its bundle and wait at most
+        ``timeout_s`` for its model to load. Every sequence is gone; raises ``WorkerError`` on failure."""
+        self.channel.close()
+        self.active.clear()
+        try:
+            ray.kill(self.actor)  # a hung actor must free its bundle; a dead one is gone already
+        except Exception:  # noqa: BLE001
+            pass
+        self.actor = self.spawn()
+        self.info = self._call(self.actor.info.remote(), timeout_s)
+        self.channel = RoundChannel(self.actor, "verify", self.compiled)
 
     def close(self) -> None:
         self.channel.close()
@@ -146,6 +175,9 @@ class RemoteDraftProposer:
                      features: torch.Tensor | None = None) -> None:
         if self.channel is None and not self._restarted():
             return  # decoded plainly: no draft yet
+        if self.pending:  # outcomes of a sequence that held this id before (a requeued one) must not reach the new one
+            self.actor.observe.remote(tuple(self.pending))
+            self.pending.clear()
         try:
             ray.get(self.actor.add_sequence.remote(seq_id, list(prompt_ids), params, features),
                     timeout=ROUND_TIMEOUT_S)
