@@ -31,8 +31,18 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import (DEFAULT_VENV, HERE, ensure_down, model_folder, run_client, start, stop,  # noqa: E402
-                         wait_ready, write_dataset, SERVE_ENV)
+from bench_serve import (  # noqa: E402
+    DEFAULT_VENV,
+    HERE,
+    SERVE_ENV,
+    ensure_down,
+    model_folder,
+    run_client,
+    start,
+    stop,
+    wait_ready,
+    write_dataset,
+)
 from prompts import GROUNDED  # noqa: E402
 
 from serve_app.distill.prompts import chat_prompts  # noqa: E402
@@ -116,7 +126,8 @@ def main() -> None:
                     help="compare sequential and overlapped rounds instead (decoder draft: --draft, default "
                          "smollm2-135m-instruct-draft)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra speculation keys for every speculating variant (YAML values), e.g. num_speculative_tokens=2")
+                    help="extra speculation keys for every speculating variant (YAML values), "
+                    "e.g. num_speculative_tokens=2")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "policy.json")
@@ -134,7 +145,8 @@ def main() -> None:
         specs = {n: s for n, s in specs.items() if n in args.variants.split(",")}
     model_id, folder, _ = model_folder(args.config)
     workdir = Path(tempfile.mkdtemp(prefix="bench_policy_"))
-    dataset = write_dataset(mixed_prompts(max(PROMPTS_PER_CONCURRENCY[c] for c in concurrencies)), workdir / "mixed.jsonl")
+    most = max(PROMPTS_PER_CONCURRENCY[c] for c in concurrencies)
+    dataset = write_dataset(mixed_prompts(most), workdir / "mixed.jsonl")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     print(f"model {model_id}; logs in {workdir}", flush=True)
 
@@ -160,7 +172,8 @@ def main() -> None:
 
     md = "\n\n".join(table(rows, d, t, concurrencies, list(specs)) for d in dtypes for t in temps)
     print(md)
-    args.out.with_suffix(".md").write_text(f"`python benchmarks/bench_policy.py` ({time.strftime('%Y-%m-%d')})\n\n{md}\n")
+    dated = f"`python benchmarks/bench_policy.py` ({time.strftime('%Y-%m-%d')})"
+    args.out.with_suffix(".md").write_text(f"{dated}\n\n{md}\n")
     print(f"wrote {args.out}, {args.out.with_suffix('.md')}")
 
 

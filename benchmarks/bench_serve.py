@@ -220,8 +220,8 @@ def run_client(venv: Path, workload: str, dataset: Path, concurrency: int, model
            "--base-url", f"http://127.0.0.1:{PORT}", "--model", model_id, "--tokenizer", str(folder),
            "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
            "--disable-shuffle", "--custom-output-len", str(max_tokens), "--num-prompts", str(n),
-           "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", str(temperature), "--num-warmups", "2",
-           "--disable-tqdm"]
+           "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", str(temperature),
+           "--num-warmups", "2", "--disable-tqdm"]
     if extra_body:
         cmd += ["--extra-body", json.dumps(extra_body)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=workdir)

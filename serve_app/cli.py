@@ -1,4 +1,5 @@
-"""Command line: ``python -m serve_app generate PROMPT [...]``, ``distill``, ``check-draft``, ``compile``, ``tune``."""
+"""Command line: ``python -m serve_app generate PROMPT [...]``, ``distill``, ``check-draft``, ``compile``, ``tune``,
+``stop``."""
 
 from __future__ import annotations
 
@@ -233,7 +234,8 @@ def tune(args: argparse.Namespace) -> int:
     from serve_app.builder import ConfigError
     from serve_app.distill.prompts import chat_prompts
     from serve_app.models.neuron.compile import load_app_config
-    from serve_app.tune import Projection, tune as run_tune
+    from serve_app.tune import Projection
+    from serve_app.tune import tune as run_tune
 
     try:
         app = load_app_config(Path(args.config), args.app)
@@ -257,6 +259,24 @@ def tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stop_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("stop", help="stop this machine's `serve run` as Ctrl-C does: drain, delete the app, exit")
+    p.add_argument("--wait", type=float, default=15.0,
+                   help="seconds serve run gets to exit after each signal, once its apps are drained (default 15)")
+
+
+def stop(args: argparse.Namespace) -> int:
+    from serve_app.serving.stop import stop as stop_serve_run
+
+    stopped = stop_serve_run(args.wait)
+    for pid, how in stopped:
+        print(f"serve run (pid {pid}): {how}")
+    if not stopped:
+        print("no `serve run` process on this machine (apps deployed with `serve deploy` or KubeRay: "
+              "`serve shutdown -y`)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="python -m serve_app", description=__doc__)
@@ -266,7 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _check_parser(sub)
     _compile_parser(sub)
     _tune_parser(sub)
+    _stop_parser(sub)
     args = parser.parse_args(argv)
     commands = {"generate": generate, "distill": distill, "check-draft": check, "compile": compile_models,
-                "tune": tune}
+                "tune": tune, "stop": stop}
     return commands[args.command](args)

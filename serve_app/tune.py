@@ -215,7 +215,8 @@ def write_report(r: TuneReport, planner: Planner, out: Path) -> list[Path]:
         ks = list(range(r.max_k + 1))
         line, = ax.plot(ks, [r.measured[b][k] for k in ks], "o-", label=f"batch {b} measured")
         ax.plot(ks, [r.expected[b][k] for k in ks], "--", color=line.get_color(), label=f"batch {b} expected")
-        ax.plot(ks, [r.expected_overlapped[b][k] for k in ks], ":", color=line.get_color(), label=f"batch {b} overlapped")
+        ax.plot(ks, [r.expected_overlapped[b][k] for k in ks], ":", color=line.get_color(),
+                label=f"batch {b} overlapped")
     ax.set(xlabel="num_speculative_tokens k", ylabel="tok/s")
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -3,10 +3,13 @@ a running cluster that emulates NeuronCores (``--address auto``). Real HTTP, the
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -77,8 +80,41 @@ def test_serve_run_on_a_fresh_machine(clean_machine):
         out = ask()
         assert "alpha" in out["choices"][0]["message"]["content"].lower()
         assert out["speculation"]["num_draft_tokens"] > 0
+        stop_while_streaming(proc)
     finally:
         proc.terminate()
+
+
+def stop_while_streaming(proc: subprocess.Popen) -> None:
+    """``python -m serve_app stop`` with a stream in flight: the stream completes in full (the replica
+    drains), then serve run exits, the port is free and no Ray process is left."""
+    import psutil
+
+    events: list[dict] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        body = {"model": "smollm2-135m-instruct", "prompt": "Once upon a time", "max_tokens": 200,
+                "ignore_eos": True, "stream": True, "temperature": 0, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", "http://127.0.0.1:8000/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[len("data: "):]))
+                    started.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(60)
+    stopped = sh(sys.executable, "-m", "serve_app", "stop")
+    assert f"serve run (pid {proc.pid}): " in stopped.stdout, stopped.stdout + stopped.stderr
+    reader.join(timeout=60)
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 200  # every token came, none was cut
+    assert proc.poll() is not None
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", 8000)) != 0  # nothing listens any more
+    left = [p.info["name"] for p in psutil.process_iter(["name"]) if p.info["name"] in ("raylet", "gcs_server")]
+    assert not left, left
 
 
 def test_serve_run_joins_a_cluster_with_emulated_neuron_cores(clean_machine):

@@ -220,8 +220,9 @@ class Engine:
         elapsed = self._round_end - start
         tokens = len(result.seq_ids) + int(result.num_draft_tokens.sum())
         interval = None if previous_end is None or admitted else self._round_end - previous_end
+        kept = len(result.seq_ids) + int(result.num_accepted.sum())
         self.last_costs = RoundCosts(tokens, self._round_end - verify_start, self._draft_s, overhead,
-                                     len(result.seq_ids), interval, len(result.seq_ids) + int(result.num_accepted.sum()))
+                                     len(result.seq_ids), interval, kept)
         self._draft_s = {}
         if self.policy is not None:
             self.policy.observe(result)

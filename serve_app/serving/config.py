@@ -38,7 +38,9 @@ class AutoscalingConfig(StrictModel):
     max_replicas: int = Field(1, ge=1, description="Most replicas the autoscaler may start.")
     initial_replicas: int | None = Field(None, ge=0, description="Replicas at deploy time (default min).")
     target_ongoing_requests: float = Field(
-        4.0, gt=0, description="Ongoing requests per replica the autoscaler aims for."
+        4.0, gt=0, description="Ongoing requests per replica the autoscaler aims for. Serve counts every request a "
+        "replica holds, those waiting in its queue for a KV-cache slot as well as those decoding (and any queued "
+        "in front of it), so replicas are added as the queue grows, not only as the batch fills.",
     )
     upscale_delay_s: float = Field(10.0, ge=0, description="Sustained overload before adding replicas.")
     downscale_delay_s: float = Field(60.0, ge=0, description="Sustained underload before removing replicas.")

@@ -40,7 +40,7 @@ class LinearCost:
         self.a, self.b = a, b
 
     def add(self, x: float, t: float) -> None:
-        self._s = [v * self.decay + new for v, new in zip(self._s, (1.0, x, t, x * x, x * t))]
+        self._s = [v * self.decay + new for v, new in zip(self._s, (1.0, x, t, x * x, x * t), strict=True)]
         w, sx, st, sxx, sxt = self._s
         mx, mt = sx / w, st / w
         spread = sxx - w * mx * mx + self.stiffness
