@@ -32,8 +32,9 @@ from serve_app.config import EngineConfig, SpeculationConfig  # noqa: E402
 from serve_app.engine.factory import build_engine  # noqa: E402
 from serve_app.engine.request import GenerationParams  # noqa: E402
 from serve_app.engine.stats import SpecStats  # noqa: E402
+from serve_app.models.base import RunnerConfig  # noqa: E402
 from serve_app.models.eagle import EagleHead  # noqa: E402
-from serve_app.models.runner import ModelRunner, RunnerConfig  # noqa: E402
+from serve_app.models.runner import ModelRunner  # noqa: E402
 from serve_app.speculation.proposers.hybrid import HybridProposer  # noqa: E402
 from serve_app.speculation.proposers.ngram import NgramProposer  # noqa: E402
 from serve_app.speculation.types import SamplingParams  # noqa: E402

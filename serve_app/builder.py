@@ -8,8 +8,10 @@ Python callers (``serve.run(build_app({...}))``).
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
+import yaml
 from pydantic import ValidationError
 from ray.serve import Application
 
@@ -84,3 +86,15 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     else:
         options["num_replicas"] = d.num_replicas or 1
     return SpeculativeLLMServer.options(**options).bind(config.model_dump())
+
+
+def load_app_config(path: Path, app_name: str | None = None) -> AppConfig:
+    """The ``args`` of a Serve config file (``applications[*]``), or a file that is just the args."""
+    doc = yaml.safe_load(path.read_text()) or {}
+    if "applications" in doc:
+        apps = [a for a in doc["applications"] if app_name in (None, a.get("name"))]
+        if len(apps) != 1:
+            names = [a.get("name") for a in doc["applications"]]
+            raise ValueError(f"{path}: pick one application with --app (found {names})")
+        doc = apps[0].get("args") or {}
+    return parse_config(doc)

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from serve_app.config import EngineConfig, SpeculationConfig, auto_speculation
 from serve_app.engine.engine import RequestError
 from serve_app.engine.request import GenerationParams
-from serve_app.models.runner import ModelLoadError
+from serve_app.models.base import ModelLoadError
 from serve_app.models.sources import DEFAULT_MODEL, ModelSourceError, resolve
 from serve_app.speculation.types import SamplingParams
 
@@ -200,7 +200,7 @@ def _compile_parser(sub: argparse._SubParsersAction) -> None:
 
 def compile_models(args: argparse.Namespace) -> int:
     from serve_app.builder import ConfigError
-    from serve_app.models.neuron.compile import compile_config
+    from serve_app.compile import compile_config
 
     logging.getLogger("serve_app").setLevel(logging.INFO)
     try:
@@ -231,9 +231,8 @@ def _tune_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def tune(args: argparse.Namespace) -> int:
-    from serve_app.builder import ConfigError
+    from serve_app.builder import ConfigError, load_app_config
     from serve_app.distill.prompts import chat_prompts
-    from serve_app.models.neuron.compile import load_app_config
     from serve_app.tune import Projection
     from serve_app.tune import tune as run_tune
 

@@ -12,7 +12,7 @@ SpeculationMethod = Literal["draft", "ngram", "none"]
 # `--draft auto` and configs/local.yaml for the embedded model: its shipped EAGLE head, n-gram lookup
 # where the context matches, blocks cut where the head is unsure, at most 4 draft tokens a round over
 # the batch. The fastest on mixed prompts in benchmarks/bench_draft.py, greedy and sampled, one
-# request at a time and 2 or 4 together; as fast as plain decoding at 8 (serve_app/drafts/README.md).
+# request at a time and 2 or 4 together; as fast as plain decoding at 8 (docs/speculation.md).
 EMBEDDED_SPECULATION = {"draft": "smollm2-135m-instruct-eagle", "ngram_first": True, "draft_stop_below": 0.5,
                         "k_policy": "cost_model"}
 
@@ -183,7 +183,8 @@ class EngineConfig(StrictModel):
     cache_dir: str | None = Field(
         None, description="Where converted GGUF models are cached (default ~/.cache/serve_app)."
     )
-    speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
+    speculation: SpeculationConfig = Field(
+        default_factory=SpeculationConfig, description="The proposer (draft model, EAGLE head, n-gram) and k.")
     neuron: NeuronSettings = Field(default_factory=NeuronSettings, description="Neuron backend settings.")
 
     @property

@@ -8,6 +8,9 @@ import sys
 
 import pytest
 
+from serve_app.cli import main
+from serve_app.tune import expected_tokens
+
 STATS_KEYS = {
     "num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_acceptance_length",
     "accepted_per_position", "target_forward_passes", "tokens_per_second",
@@ -90,3 +93,15 @@ def test_tune_measures_and_recommends(tiny_models, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "serve_app", "tune", str(tmp_path / "missing.yaml")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "tune:" in bad.stderr
+
+
+def test_check_draft_in_process(tiny_models, capsys):
+    assert main(["check-draft", "--target", str(tiny_models["qwen3"]), "--draft", str(tiny_models["qwen3_near"])]) == 0
+    assert capsys.readouterr().out.startswith("ok: ")
+
+
+def test_the_planners_expected_tokens_per_round():
+    """A block of k drafts at per-position acceptance a_j yields 1 + a_1 + a_1 a_2 + ... tokens."""
+    assert expected_tokens([1.0, 1.0, 1.0], 3) == 4.0
+    assert expected_tokens([0.0, 1.0], 2) == 1.0
+    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75)

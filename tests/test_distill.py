@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from serve_app.distill.batches import padded_inputs
 from serve_app.distill.draft_model import coverage, select_vocab
 from serve_app.distill.evaluate import data_note, decoding_walk
+from serve_app.distill.features import target_features
 from serve_app.distill.prompts import chat_prompts, usable_prompts, user_turn_prefix
 from serve_app.distill.train import DistillConfig, distill
 from serve_app.engine.request import GenerationParams
+from serve_app.models.base import RunnerConfig
+from serve_app.models.runner import ModelRunner
 from serve_app.speculation.compatibility import check_draft, load_vocab
 from tests.helpers import engine_for
 
@@ -74,3 +78,19 @@ def test_pipeline_trains_resumes_and_yields_a_lossless_draft(tiny_models, tmp_pa
     spec = engine.generate(prompts, GenerationParams(max_tokens=20, method="draft"))
     assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
     assert sum(s.stats.num_draft_tokens for s in spec) > 0
+
+
+def test_target_features_are_the_targets_hidden_states_and_batches_pad_them(tiny_models):
+    """What an EAGLE head trains on: the target's final-norm states over each item but its last token
+    (bf16, as served), and draft-vocabulary inputs padded to the longest item."""
+    items = [{"ids": torch.tensor([5, 9, 17, 33, 2])}, {"ids": torch.tensor([7, 8, 9])}]
+    feats = target_features(tiny_models["qwen3"], {"train": items, "heldout": items[:1]})
+    runner = ModelRunner(tiny_models["qwen3"], RunnerConfig(dtype="bfloat16", max_batch_size=1, max_seq_len=64))
+    for item, f in zip(items, feats["train"], strict=True):
+        runner.add("x")
+        alone = runner.prefill("x", item["ids"][:-1].tolist())
+        runner.release("x")
+        assert f.shape == alone.shape and torch.allclose(f.float(), alone.float(), atol=0.05)
+    assert len(feats["heldout"]) == 1
+    inputs, mask = padded_inputs(items, torch.arange(320), 320)
+    assert inputs.shape == (2, 4) and mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]] and inputs[1, 3] == 320

@@ -21,8 +21,9 @@ from serve_app.distill.eagle import load_eagle, unrolled
 from serve_app.distill.train import DistillConfig, distill
 from serve_app.engine.factory import reads_features
 from serve_app.engine.request import GenerationParams
+from serve_app.models.base import RunnerConfig
 from serve_app.models.eagle import EagleHead, folder_fuse_layers
-from serve_app.models.runner import ModelRunner, RunnerConfig
+from serve_app.models.runner import ModelRunner
 from serve_app.speculation.compatibility import DraftMismatchError, check_draft, load_vocab
 from serve_app.speculation.proposers.eagle import EagleProposer
 from serve_app.speculation.types import ProposalBlock, SamplingParams, VerifyResult
@@ -217,7 +218,7 @@ def test_target_taps_are_the_residual_streams_hf_reports(tmp_path):
     assert torch.allclose(got[:, -64:], ref.hidden_states[-1][0], atol=1e-4)  # HF's last one is normed
     assert torch.allclose(logits[0], ref.logits[0, 4:], atol=1e-3)
     runner.add("cut")
-    cut, _ = runner._hidden(["cut"], [ids], taps=(1, 3), depth=3)
+    cut, _ = runner.hidden_states(["cut"], [ids], taps=(1, 3), depth=3)
     assert torch.allclose(cut[0], got[:, :128], atol=1e-5)
 
 

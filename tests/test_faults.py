@@ -19,6 +19,7 @@ import pytest
 from ray import serve
 
 from serve_app.builder import ConfigError, build_app, parse_config
+from serve_app.serving import metrics
 from tests.serve_cluster import BASE, MODEL, PROMPTS, app_args, complete, metric_value, scraped_when, wait_for
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(600)]
@@ -245,3 +246,13 @@ def test_overload_gets_a_fast_503_with_retry_after(cluster, tiny_models, server)
         assert seconds < 1 and not LEAKS.search(r.text)
 
 
+
+
+def test_every_metric_the_docs_name_is_exported(server, metrics_port):
+    """Last in this module: by now a draft and a target worker have died and been replaced here, so
+    every metric of ``serving/metrics.py`` has been written at least once."""
+    names = set(re.findall(r"``(serve_app_[a-z_]+)``", metrics.__doc__))
+    assert len(names) > 12
+    complete(PROMPTS[0], max_tokens=8)
+    text = wait_for(lambda: scraped_when(metrics_port, lambda t: all(f"ray_{n}" in t for n in names)), 60)
+    assert text

@@ -14,17 +14,24 @@ import pytest
 import yaml
 
 from serve_app.builder import parse_config
+from serve_app.compile import compile_plan
 from serve_app.config import EngineConfig, SpeculationConfig
-from serve_app.engine.engine import Engine, RequestError
-from serve_app.engine.factory import eos_token_ids, neuron_spec, prefill_limit, runner_config
+from serve_app.engine.engine import RequestError
+from serve_app.engine.factory import (
+    eos_token_ids,
+    make_engine,
+    neuron_spec,
+    proposers_for,
+    runner_config,
+)
 from serve_app.engine.request import GenerationParams
+from serve_app.models.base import ModelLoadError, RunnerConfig
+from serve_app.models.loader import build_runner
 from serve_app.models.neuron.artifacts import artifact_key
+from serve_app.models.neuron.runner import NeuronModelRunner
 from serve_app.models.neuron.sdk import NeuronSDKMissing
 from serve_app.models.neuron.spec import NeuronSpec
-from serve_app.models.runner import ModelLoadError, RunnerConfig, build_runner
-from serve_app.speculation.proposers.base import NoProposer
 from serve_app.speculation.proposers.draft_model import DraftModelProposer
-from serve_app.speculation.proposers.ngram import NgramProposer
 from serve_app.speculation.types import SamplingParams
 from serve_app.speculation.verifier import TargetVerifier
 from tests.helpers import engine_for
@@ -49,7 +56,7 @@ def reference_app():
 
 def neuron_engine_config(tmp_path, model, draft="none", k=4, **neuron) -> EngineConfig:
     return EngineConfig(model=str(model), backend="neuron", dtype="float32", max_batch_size=3, max_seq_len=96,
-                        speculation=SpeculationConfig(draft=str(draft), num_speculative_tokens=k),
+                        speculation=SpeculationConfig(draft=str(draft), num_speculative_tokens=k, k_policy="fixed"),
                         neuron={"artifacts_dir": str(tmp_path / "artifacts"), "compile_if_missing": True,
                                 "max_context_length": 64, **neuron})
 
@@ -195,13 +202,11 @@ def neuron_engine(tmp_path, target, draft, k):
     cfg = neuron_engine_config(tmp_path, target, draft=draft, k=k)
     t = build_runner(target, runner_config(cfg, "target", 2))
     tok = t.load_tokenizer()
-    proposers = {"none": NoProposer(), "ngram": NgramProposer(1, 3)}
+    d = None
     if draft not in ("none", "ngram"):
-        d = build_runner(draft, runner_config(cfg, "draft", 1))
-        proposers["draft"] = DraftModelProposer(d, 8, target_vocab=t.vocab_size)
-    return Engine(TargetVerifier(t), proposers, tok, default_method=cfg.speculation.method,
-                  default_k=k, max_seq_len=cfg.max_seq_len, eos_ids=eos_token_ids(Path(target), tok),
-                  max_prompt_len=prefill_limit(cfg))
+        d = DraftModelProposer(build_runner(draft, runner_config(cfg, "draft", 1)), 8, target_vocab=t.vocab_size)
+    return make_engine(cfg, TargetVerifier(t), proposers_for(cfg.speculation, d), tok,
+                       eos_token_ids(Path(target), tok))
 
 
 @pytest.mark.parametrize("request_k", [1, 4, 6])  # below, at and above the compiled k = 4
@@ -256,4 +261,7 @@ def test_compile_command_writes_keyed_artifacts_that_workers_load(tmp_path, tiny
     # A worker with this configuration finds and loads them without compiling.
     app = parse_config(args)
     runner = build_runner(tiny_models["qwen3"], runner_config(app.engine, "target", app.placement.target_cores))
-    assert runner.artifacts == folders[1]
+    assert isinstance(runner, NeuronModelRunner) and runner.artifacts == folders[1]
+    plan = compile_plan(app)  # what the command compiled: the target, then the draft
+    assert [(path, spec.role, spec.tp_degree) for path, spec in plan] == [
+        (tiny_models["qwen3"], "target", 32), (tiny_models["qwen3"], "draft", 4)]

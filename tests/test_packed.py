@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
+from serve_app.models.base import RunnerConfig
 from serve_app.models.packed import PackedLinear, can_pack, pack_linears
-from serve_app.models.runner import ModelRunner, RunnerConfig
+from serve_app.models.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, "cpu"), reason="no oneDNN in this torch build")
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from serve_app.models.runner import ModelRunner, RunnerConfig
+from serve_app.models.base import RunnerConfig
+from serve_app.models.runner import ModelRunner
 
 FAMILIES = ["llama", "qwen3", "qwen2", "mistral"]
 

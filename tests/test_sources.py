@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 
-from serve_app.models.runner import ModelLoadError, ModelRunner
+from serve_app.models.base import ModelLoadError
+from serve_app.models.runner import ModelRunner
 from serve_app.models.sources import ModelSourceError, resolve
 
 

@@ -2,7 +2,7 @@
 serves (``serve_app.models.eagle``).
 
 Why this architecture for a tiny target: the 2-layer distilled decoder saturated at 0.35 held-out
-agreement however much data it saw (``serve_app/drafts/README.md``), because two layers cannot
+agreement however much data it saw (``docs/speculation.md``), because two layers cannot
 rebuild the context the target's thirty have already read. The EAGLE head starts from the target's
 own final hidden state, so one layer only has to look one token further. Training follows EAGLE-1:
 teacher-forced true features with uniform noise on the inputs, a smooth-L1 loss on the predicted

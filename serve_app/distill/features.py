@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from serve_app.models.base import RunnerConfig
 from serve_app.models.eagle import folder_fuse_layers
-from serve_app.models.runner import ModelRunner, RunnerConfig
+from serve_app.models.runner import ModelRunner
 
 
 def default_taps(layers: int) -> tuple[int, ...]:
@@ -48,7 +49,7 @@ def target_features(target_path: Path, teach: dict, taps: tuple[int, ...] = ()) 
             ids = [f"f{lo + i}" for i in range(len(batch))]
             for s in ids:
                 runner.add(s)
-            hidden, lengths = runner._hidden(ids, [it["ids"][:-1].tolist() for it in batch], taps=taps,
+            hidden, lengths = runner.hidden_states(ids, [it["ids"][:-1].tolist() for it in batch], taps=taps,
                                              depth=max(taps) if taps else None)
             for s in ids:
                 runner.release(s)

@@ -45,8 +45,9 @@ from serve_app.distill.evaluate import acceptance, data_note
 from serve_app.distill.features import head_taps, target_features, with_taps
 from serve_app.distill.prompts import chat_prompts, stdlib_text, usable_prompts, user_turn_prefix
 from serve_app.engine.request import GenerationParams
+from serve_app.models.base import RunnerConfig
 from serve_app.models.eagle import fuse_layers
-from serve_app.models.runner import ModelRunner, RunnerConfig
+from serve_app.models.runner import ModelRunner
 from serve_app.models.sources import resolve
 from serve_app.speculation.compatibility import load_vocab
 from serve_app.speculation.types import SamplingParams

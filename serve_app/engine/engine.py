@@ -49,19 +49,24 @@ from serve_app.engine.stats import SpecStats
 from serve_app.speculation.policy import BlockSizePolicy, RoundCosts, Row
 from serve_app.speculation.proposers.base import Proposer
 from serve_app.speculation.types import ProposalBlock, VerifyResult
-from serve_app.speculation.verifier import TargetVerifier
+from serve_app.speculation.verifier import Verifier
 
 PIPELINE_DEPTH = 2  # plain rounds in flight: enough to hide a round trip behind a round's compute
 
 
 class RequestError(ValueError):
-    """A request the engine cannot take (too long, unknown method, ...); a client error."""
+    """A request the engine cannot take (too long, unknown method, ...); a client error. ``param``:
+    the request field it is about (the OpenAI error body names it)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class Engine:
     def __init__(
         self,
-        verifier: TargetVerifier,
+        verifier: Verifier,
         proposers: Mapping[SpeculationMethod, Proposer],
         tokenizer: PreTrainedTokenizerBase,
         *,
@@ -114,18 +119,18 @@ class Engine:
         method = params.method or self.default_method
         if method not in self.proposers:
             raise RequestError(f"speculation method {method!r} is not available here; "
-                               f"available: {sorted(self.proposers)}")
+                               f"available: {sorted(self.proposers)}", "speculative_method")
         if not prompt_ids:
-            raise RequestError("the prompt is empty")
+            raise RequestError("the prompt is empty", "prompt")
         if params.max_tokens < 1:
-            raise RequestError("max_tokens must be at least 1")
+            raise RequestError("max_tokens must be at least 1", "max_tokens")
         if self.max_prompt_len is not None and len(prompt_ids) > self.max_prompt_len:
             raise RequestError(f"the prompt ({len(prompt_ids)} tokens) exceeds the {self.max_prompt_len} tokens "
-                               "the compiled prefill graph takes (engine.neuron.max_context_length + 1)")
+                               "the compiled prefill graph takes (engine.neuron.max_context_length + 1)", "prompt")
         if len(prompt_ids) + params.max_tokens > self.max_seq_len:
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context of {self.max_seq_len} tokens"
+                f"context of {self.max_seq_len} tokens", "max_tokens"
             )
         return method
 

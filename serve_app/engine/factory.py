@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -10,9 +11,10 @@ from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
 
 from serve_app.config import EngineConfig, SpeculationConfig, SpeculationMethod
 from serve_app.engine.engine import Engine
+from serve_app.models.base import Runner, RunnerConfig
 from serve_app.models.eagle import folder_fuse_layers, is_eagle_folder
 from serve_app.models.neuron.spec import NeuronSpec, Role
-from serve_app.models.runner import ModelRunner, RunnerConfig
+from serve_app.models.runner import ModelRunner
 from serve_app.models.sources import resolve
 from serve_app.speculation.compatibility import check_draft, load_vocab
 from serve_app.speculation.policy import BlockSizePolicy
@@ -21,7 +23,8 @@ from serve_app.speculation.proposers.draft_model import DraftModelProposer
 from serve_app.speculation.proposers.eagle import EagleProposer
 from serve_app.speculation.proposers.hybrid import HybridProposer
 from serve_app.speculation.proposers.ngram import NgramProposer
-from serve_app.speculation.verifier import TargetVerifier
+from serve_app.speculation.types import VerifyResult
+from serve_app.speculation.verifier import TargetVerifier, Verifier
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +83,7 @@ def shipped_features(config: EngineConfig, draft_path: Path) -> tuple[bool, tupl
     return features, folder_fuse_layers(draft_path) if features else ()
 
 
-def draft_proposer(runner: ModelRunner, path: Path, width: int, target_vocab: int, stop_below: float = 0.0
+def draft_proposer(runner: Runner, path: Path, width: int, target_vocab: int, stop_below: float = 0.0
                    ) -> DraftModelProposer:
     """The proposer for a draft model folder: an EAGLE head or a standalone decoder."""
     kind = EagleProposer if is_eagle_folder(path) else DraftModelProposer
@@ -109,6 +112,44 @@ def block_size_policy(spec: SpeculationConfig) -> BlockSizePolicy | None:
     return BlockSizePolicy(spec.num_speculative_tokens)
 
 
+def proposers_for(spec: SpeculationConfig, draft: Proposer | None = None) -> dict[SpeculationMethod, Proposer]:
+    """The proposer registry of an engine: plain decoding and n-gram lookup always (a request may ask
+    for either), and the draft (in this process or on its actor), behind n-gram lookup with
+    ``ngram_first``."""
+    proposers: dict[SpeculationMethod, Proposer] = {
+        "none": NoProposer(),
+        "ngram": NgramProposer(spec.ngram_min, spec.ngram_max),
+    }
+    if draft is not None:
+        proposers["draft"] = draft
+        if spec.ngram_first:
+            proposers["draft"] = HybridProposer(NgramProposer(spec.ngram_min, spec.ngram_max), draft, spec.ngram_match)
+    return proposers
+
+
+def make_engine(config: EngineConfig, verifier: Verifier, proposers: Mapping[SpeculationMethod, Proposer],
+                tokenizer: PreTrainedTokenizerBase, eos_ids: Iterable[int],
+                on_round: Callable[[VerifyResult, float], None] | None = None) -> Engine:
+    """The one place an ``Engine`` is assembled from its config: the CLI, the replica, the tests and
+    the benchmarks differ only in where the verifier and the proposers live."""
+    spec = config.speculation
+    return Engine(
+        verifier,
+        proposers,
+        tokenizer,
+        default_method=spec.method,
+        default_k=spec.num_speculative_tokens,
+        draft_token_budget=spec.draft_token_budget,
+        prefill_chunk=config.prefill_chunk_tokens,
+        policy=block_size_policy(spec),
+        overlap=spec.overlap,
+        max_seq_len=config.max_seq_len,
+        eos_ids=eos_ids,
+        on_round=on_round,
+        max_prompt_len=prefill_limit(config),
+    )
+
+
 def build_engine(config: EngineConfig) -> Engine:
     """An engine with the draft and the target in this process (CLI, benchmarks, tests)."""
     if config.backend != "torch":
@@ -120,31 +161,12 @@ def build_engine(config: EngineConfig) -> Engine:
     target = ModelRunner(resolve(config.model, cache_dir), runner_config(config))
     tokenizer = target.load_tokenizer()
     spec = config.speculation
-    proposers: dict[SpeculationMethod, Proposer] = {
-        "none": NoProposer(),
-        "ngram": NgramProposer(spec.ngram_min, spec.ngram_max),
-    }
-    features, taps = False, ()
+    features, taps, draft = False, (), None
     if spec.method == "draft":
         draft_path = resolve(spec.draft, cache_dir)
         check_draft(target.path, draft_path)
         features, taps = shipped_features(config, draft_path)
-        draft = ModelRunner(draft_path, runner_config(config))
-        proposers["draft"] = draft_proposer(draft, draft_path, spec.draft_top_k, target.vocab_size,
-                                            spec.draft_stop_below)
-        if spec.ngram_first:
-            proposers["draft"] = HybridProposer(NgramProposer(spec.ngram_min, spec.ngram_max),
-                                                proposers["draft"], spec.ngram_match)
-    return Engine(
-        TargetVerifier(target, features, taps),
-        proposers,
-        tokenizer,
-        default_method=spec.method,
-        default_k=spec.num_speculative_tokens,
-        draft_token_budget=spec.draft_token_budget,
-        prefill_chunk=config.prefill_chunk_tokens,
-        policy=block_size_policy(spec),
-        overlap=spec.overlap,
-        max_seq_len=config.max_seq_len,
-        eos_ids=eos_token_ids(target.path, tokenizer),
-    )
+        draft = draft_proposer(ModelRunner(draft_path, runner_config(config)), draft_path, spec.draft_top_k,
+                               target.vocab_size, spec.draft_stop_below)
+    return make_engine(config, TargetVerifier(target, features, taps), proposers_for(spec, draft), tokenizer,
+                       eos_token_ids(target.path, tokenizer))

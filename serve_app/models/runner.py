@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -19,42 +18,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from serve_app.models.base import DTYPES, ModelLoadError, RunnerConfig
 from serve_app.models.eagle import EagleHead, is_eagle
 from serve_app.models.llama import SUPPORTED_MODEL_TYPES, Batch, CausalLM, fuse_hf_state_dict
-from serve_app.models.neuron.spec import NeuronSpec
 from serve_app.models.packed import can_pack, pack_linears
 from serve_app.models.slots import SequenceSlots
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-DType = Literal["float32", "bfloat16"]
-
-
-class ModelLoadError(RuntimeError):
-    """A model folder that cannot be served: unsupported architecture, missing or corrupt weights."""
-
-
-@dataclass(frozen=True)
-class RunnerConfig:
-    """The slice of configuration a runner needs."""
-
-    dtype: DType = "float32"
-    max_batch_size: int = 8
-    max_seq_len: int = 2048  # cached tokens per sequence (the KV cache capacity)
-    device: str = "cpu"
-    neuron: NeuronSpec | None = None  # set: the NxDI runner (backend: neuron) with this compiled model
-
-
-def build_runner(path: str | Path, config: RunnerConfig) -> ModelRunner:
-    """The runner for ``config``: NxDI on Trainium when it carries a NeuronSpec, else our torch one.
-    The Neuron SDK is imported only here, only then."""
-    if config.neuron is not None:
-        from serve_app.models.neuron.runner import NeuronModelRunner
-
-        return NeuronModelRunner(path, config)  # type: ignore[return-value]  # same interface
-    return ModelRunner(path, config)
-
 
 def load_causal_lm(path: Path, dtype: torch.dtype, device: str = "cpu") -> CausalLM:
     """Build our model from a Hugging Face folder (config.json + *.safetensors)."""
@@ -99,7 +69,7 @@ def load_causal_lm(path: Path, dtype: torch.dtype, device: str = "cpu") -> Causa
 class ModelRunner(SequenceSlots):
     """Owns one model and the KV state of the sequences it serves."""
 
-    def __init__(self, path: str | Path, config: RunnerConfig = RunnerConfig()):
+    def __init__(self, path: str | Path, config: RunnerConfig = RunnerConfig()):  # noqa: B008 - frozen
         start = time.perf_counter()
         self.path = Path(path)
         self.config = config
@@ -125,7 +95,7 @@ class ModelRunner(SequenceSlots):
         (the lm_head is skipped), preceded by the residual stream after the first t layers for each t
         in ``taps`` (``CausalLM.run_layers``). ``features`` ``[T, f]``: what an EAGLE head reads with
         the tokens."""
-        hidden, _ = self._hidden([seq_id], [tokens], None if features is None else features[None], taps)
+        hidden, _ = self.hidden_states([seq_id], [tokens], None if features is None else features[None], taps)
         return hidden[0]
 
     @torch.inference_mode()
@@ -155,14 +125,20 @@ class ModelRunner(SequenceSlots):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward``'s logits and the final-norm hidden states they came from (same rows), preceded
         by the ``taps`` as in ``prefill``."""
-        hidden, lengths = self._hidden(seq_ids, tokens, features, taps)
+        hidden, lengths = self.hidden_states(seq_ids, tokens, features, taps)
         if logits == "last":
             last = torch.tensor(lengths, device=hidden.device) - 1
             hidden = hidden[torch.arange(len(seq_ids), device=hidden.device), last]
         return self.model.lm_head(hidden[..., -self.hf_config.hidden_size:]).float(), hidden
 
-    def _hidden(self, seq_ids: Sequence[str], tokens: Sequence[Sequence[int]], features: torch.Tensor | None = None,
-                taps: tuple[int, ...] = (), depth: int | None = None) -> tuple[torch.Tensor, list[int]]:
+    @torch.inference_mode()
+    def hidden_states(self, seq_ids: Sequence[str], tokens: Sequence[Sequence[int]],
+                      features: torch.Tensor | None = None, taps: tuple[int, ...] = (), depth: int | None = None
+                      ) -> tuple[torch.Tensor, list[int]]:
+        """Append ``tokens[i]`` to ``seq_ids[i]`` and return the hidden states of every new token,
+        ``[batch, T, ...]`` (rows past a sequence's own count are padding), with each row's length:
+        the final-norm states preceded by the ``taps`` as in ``prefill``, or, with ``depth``, only the
+        streams up to that layer (the pass stops there: what distillation reads)."""
         # Rows in slot order: a running set on consecutive slots then reads the cache as a view (see
         # KVCache.update); the hidden states come back in the caller's order.
         order = sorted(range(len(seq_ids)), key=lambda i: self._slot[seq_ids[i]])

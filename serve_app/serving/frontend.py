@@ -39,8 +39,8 @@ class OpenAIFrontend:
         try:
             return self.loop.submit(prompt_ids, req.generation_params(max_tokens), request_id)
         except RequestError as e:
-            param = "max_tokens" if "max_tokens" in str(e) else ("speculative_method" if "method" in str(e) else None)
-            raise oa.OpenAIError(400, str(e), param) from e
+            chat = not isinstance(req, oa.CompletionRequest)
+            raise oa.OpenAIError(400, str(e), "messages" if chat and e.param == "prompt" else e.param) from e
 
     # ---- completions --------------------------------------------------------------------------
     def _completion_ids(self, req: oa.CompletionRequest) -> list[int]:

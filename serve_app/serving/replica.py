@@ -18,16 +18,12 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from serve_app.config import SpeculationMethod
 from serve_app.engine.engine import Engine
-from serve_app.engine.factory import block_size_policy, eos_token_ids, prefill_limit, runner_config, shipped_features
+from serve_app.engine.factory import eos_token_ids, make_engine, proposers_for, runner_config, shipped_features
 from serve_app.models.sources import resolve
 from serve_app.serving.config import AppConfig, PlacementConfig
 from serve_app.serving.metrics import ServingMetrics
 from serve_app.speculation.compatibility import check_draft
-from serve_app.speculation.proposers.base import NoProposer, Proposer
-from serve_app.speculation.proposers.hybrid import HybridProposer
-from serve_app.speculation.proposers.ngram import NgramProposer
 from serve_app.workers.draft_worker import DraftWorker
 from serve_app.workers.placement import worker_resources
 from serve_app.workers.remote import RemoteDraftProposer, RemoteVerifier, WorkerError
@@ -128,10 +124,6 @@ def build_replica_engine(config: AppConfig, metrics: ServingMetrics | None = Non
     workers = {"target": verifier.info}
     tokenizer = AutoTokenizer.from_pretrained(target_path)
 
-    proposers: dict[SpeculationMethod, Proposer] = {
-        "none": NoProposer(),
-        "ngram": NgramProposer(spec.ngram_min, spec.ngram_max),
-    }
     draft: RemoteDraftProposer | None = None
     if draft_path is not None:
         vocab = workers["target"].vocab_size
@@ -144,27 +136,10 @@ def build_replica_engine(config: AppConfig, metrics: ServingMetrics | None = Non
         draft = RemoteDraftProposer(spawn, compiled, on_state=metrics.on_draft_state if metrics else lambda _: None,
                                     can_propose_ahead=not features)  # an EAGLE head (features) cannot
         workers["draft"] = ray.get(draft.actor.info.remote())
-        proposers["draft"] = draft  # type: ignore[assignment]
-        if spec.ngram_first:
-            proposers["draft"] = HybridProposer(NgramProposer(spec.ngram_min, spec.ngram_max), draft,
-                                                spec.ngram_match)  # type: ignore[arg-type]
         if metrics:
             metrics.on_draft_state(True)
 
-    engine = Engine(
-        verifier,  # type: ignore[arg-type]
-        proposers,
-        tokenizer,
-        default_method=spec.method,
-        default_k=spec.num_speculative_tokens,
-        draft_token_budget=spec.draft_token_budget,
-        prefill_chunk=engine_cfg.prefill_chunk_tokens,
-        policy=block_size_policy(spec),
-        overlap=spec.overlap,
-        max_seq_len=engine_cfg.max_seq_len,
-        eos_ids=eos_token_ids(target_path, tokenizer),
-        on_round=metrics.on_round if metrics else None,
-        max_prompt_len=prefill_limit(engine_cfg),
-    )
+    engine = make_engine(engine_cfg, verifier, proposers_for(spec, draft), tokenizer,
+                         eos_token_ids(target_path, tokenizer), on_round=metrics.on_round if metrics else None)
     log.info("replica ready: %s", {k: (v.pid, v.visible_cores) for k, v in workers.items()})
     return ReplicaEngine(engine, tokenizer, verifier, draft, config.deployment.target_restart_timeout_s, metrics)

@@ -56,14 +56,14 @@ def drain(address: str = "auto") -> list[str]:
         ray.shutdown()
 
 
-def stop(wait_s: float = SIGNAL_WAIT_S) -> list[tuple[int, str]]:
-    """Drain the cluster's applications, then stop every ``serve run`` here; returns (pid, how it
-    ended) for each."""
+def stop(wait_s: float = SIGNAL_WAIT_S, address: str | None = "auto") -> list[tuple[int, str]]:
+    """Drain the applications of the cluster at ``address`` (None: do not drain), then stop every
+    ``serve run`` here; returns (pid, how it ended) for each."""
     procs = serve_run_processes()
     if not procs:
         return []
-    drained = drain()
-    log.warning("drained and deleted %s", drained or "no application")
+    if address is not None:
+        log.warning("drained and deleted %s", drain(address) or "no application")
     trees = {p.pid: _tree(p) for p in procs}
     outcome = {}
     alive = procs
@@ -74,8 +74,9 @@ def stop(wait_s: float = SIGNAL_WAIT_S) -> list[tuple[int, str]]:
         told = [p for p in alive if not (sig == signal.SIGINT and _ignores(p, sig))]
         for p in told:
             _signal(p, sig)
-        gone, alive = psutil.wait_procs(alive, timeout=wait_s if told else 0)
+        gone, _ = psutil.wait_procs(told, timeout=wait_s)
         outcome.update({p.pid: f"exited after {sig.name}" for p in gone})
+        alive = [p for p in alive if p not in gone]
     for p in alive:
         tree = [p, *trees[p.pid]]
         for q in tree:

@@ -14,18 +14,39 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-from serve_app.models.runner import ModelRunner
+from serve_app.models.base import Runner
 from serve_app.speculation.rejection_sampler import greedy_verify, rejection_sample
 from serve_app.speculation.sampling import probabilities
 from serve_app.speculation.types import FEATURE_DTYPE, PAD_TOKEN, ProposalBlock, SamplingParams, VerifyResult
 
 
+class Verifier(Protocol):
+    """What the engine drives: the target side, in this process (``TargetVerifier``) or on a Ray
+    actor (``workers.remote.RemoteVerifier``, which may add ``verify_async`` for pipelined rounds)."""
+
+    max_batch_size: int
+
+    @property
+    def free_slots(self) -> int: ...
+
+    def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+                     prefill: int | None = None) -> torch.Tensor | None: ...
+
+    def continue_prefill(self, seq_id: str, count: int | None = None) -> torch.Tensor | None: ...
+
+    def remove_sequence(self, seq_id: str) -> None: ...
+
+    def verify(self, block: ProposalBlock) -> VerifyResult: ...
+
+
 class TargetVerifier:
-    def __init__(self, runner: ModelRunner, features: bool = False, taps: tuple[int, ...] = ()):
+    def __init__(self, runner: Runner, features: bool = False, taps: tuple[int, ...] = ()):
         self.runner = runner
+        self.max_batch_size = runner.free_slots  # a new runner holds no sequence
         self.features = features
         self.taps = taps
         self.params: dict[str, SamplingParams] = {}

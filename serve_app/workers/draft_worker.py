@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from serve_app.engine.factory import draft_proposer
-from serve_app.models.runner import RunnerConfig, build_runner
+from serve_app.models.base import RunnerConfig
+from serve_app.models.loader import build_runner
 from serve_app.speculation.types import ProposalBlock, VerifyResult
 from serve_app.workers.base import WorkerBase, WorkerInfo
 from serve_app.workers.placement import Accelerator

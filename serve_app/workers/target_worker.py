@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from serve_app.models.runner import RunnerConfig, build_runner
+from serve_app.models.base import RunnerConfig
+from serve_app.models.loader import build_runner
 from serve_app.speculation.types import ProposalBlock, VerifyResult
 from serve_app.speculation.verifier import TargetVerifier
 from serve_app.workers.base import WorkerBase, WorkerInfo

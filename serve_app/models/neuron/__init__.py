@@ -2,5 +2,5 @@
 
 ``spec.py`` and ``artifacts.py`` are plain Python (config -> NxDI arguments, artifact keys) and run
 anywhere; ``sdk.py`` is the only module that imports the Neuron SDK, lazily; ``runner.py`` turns the
-runner calls into NxDI forwards; ``compile.py`` is ``python -m serve_app compile``.
+runner calls into NxDI forwards; ``serve_app/compile.py`` is ``python -m serve_app compile``.
 """

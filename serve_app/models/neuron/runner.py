@@ -27,10 +27,10 @@ from typing import Literal
 import torch
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from serve_app.models.base import ModelLoadError, RunnerConfig
 from serve_app.models.neuron.artifacts import artifact_dir, is_complete, mark_complete, sdk_versions
 from serve_app.models.neuron.sdk import NeuronModel, NxDI
 from serve_app.models.neuron.spec import NeuronSpec
-from serve_app.models.runner import ModelLoadError, RunnerConfig
 from serve_app.models.slots import SequenceSlots
 
 log = logging.getLogger(__name__)

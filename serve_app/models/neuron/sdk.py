@@ -11,8 +11,8 @@ import importlib
 from pathlib import Path
 from typing import Any, Protocol
 
+from serve_app.models.base import ModelLoadError
 from serve_app.models.neuron.spec import NeuronSpec
-from serve_app.models.runner import ModelLoadError
 
 INSTALL_HINT = (
     "The Neuron backend needs the AWS Neuron SDK, which runs only on Trainium/Inferentia instances. "

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from serve_app.models.runner import ModelRunner
+from serve_app.models.base import Runner
 from serve_app.speculation.proposers.base import TokenHistory
 from serve_app.speculation.sampling import probabilities, truncate_top
 from serve_app.speculation.types import PAD_TOKEN, ProposalBlock, SamplingParams, VerifyResult
@@ -35,7 +35,7 @@ DRAFT_SEED_OFFSET = 0x5EED  # the draft's generator must not replay the target's
 
 class DraftModelProposer:
     can_propose_ahead = True  # overlapped rounds: see propose_ahead
-    def __init__(self, runner: ModelRunner, width: int = 32, target_vocab: int | None = None,
+    def __init__(self, runner: Runner, width: int = 32, target_vocab: int | None = None,
                  vocab_map: list[int] | None = None, stop_below: float = 0.0):
         """``width``: support size K of the shipped q'. ``target_vocab``: the target's vocabulary size;
         draft rows past it (padding of a larger embedding) are never proposed. ``vocab_map``: for a

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
-from serve_app.builder import parse_config
+from serve_app.builder import load_app_config
 from serve_app.engine.factory import neuron_spec
 from serve_app.models.neuron.artifacts import artifact_dir, is_complete
 from serve_app.models.neuron.runner import compile_and_load
@@ -19,18 +17,6 @@ from serve_app.models.neuron.sdk import NxDI
 from serve_app.models.neuron.spec import NeuronSpec
 from serve_app.models.sources import resolve
 from serve_app.serving.config import AppConfig
-
-
-def load_app_config(path: Path, app_name: str | None = None) -> AppConfig:
-    """The ``args`` of a Serve config file (``applications[*]``), or a file that is just the args."""
-    doc = yaml.safe_load(path.read_text()) or {}
-    if "applications" in doc:
-        apps = [a for a in doc["applications"] if app_name in (None, a.get("name"))]
-        if len(apps) != 1:
-            names = [a.get("name") for a in doc["applications"]]
-            raise ValueError(f"{path}: pick one application with --app (found {names})")
-        doc = apps[0].get("args") or {}
-    return parse_config(doc)
 
 
 def compile_plan(app: AppConfig) -> list[tuple[Path, NeuronSpec]]:
