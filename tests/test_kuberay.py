@@ -21,7 +21,8 @@ from serve_app.builder import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CRDS = ROOT.parent / "shared" / "kuberay" / "crds"
-MANIFESTS = {"rayservice-cpu.yaml": "local.yaml", "rayservice-trn2.yaml": "trn2-qwen3-32b.yaml"}
+MANIFESTS = {"rayservice-cpu.yaml": "local.yaml", "rayservice-trn2.yaml": "trn2-qwen3-32b.yaml",
+             "rayservice-trn2-vllm.yaml": "trn2-qwen3-32b-vllm.yaml"}
 DEPRECATED = {"serviceUnhealthySecondThreshold", "deploymentUnhealthySecondThreshold"}
 
 
@@ -102,8 +103,9 @@ def test_serve_config_is_the_configs_file(name, config):
     parse_config(embedded["applications"][0]["args"])
 
 
-def test_trainium_worker_group():
-    service = rayservice("rayservice-trn2.yaml")
+@pytest.mark.parametrize("name", ["rayservice-trn2.yaml", "rayservice-trn2-vllm.yaml"])
+def test_trainium_worker_group(name):
+    service = rayservice(name)
     config = parse_config(yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"])
     (group,) = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     pod = group["template"]["spec"]
@@ -111,7 +113,8 @@ def test_trainium_worker_group():
     assert any(t["key"] == "aws.amazon.com/neuron" for t in pod["tolerations"])
     (container,) = pod["containers"]
     cores = int(container["resources"]["limits"]["aws.amazon.com/neuroncore"])
-    assert cores >= config.placement.draft_cores + config.placement.target_cores  # one replica fits a pod
+    disaggregated = config.engine.kind == "disaggregated"  # vLLM fuses the draft into the target's cores
+    assert cores >= config.placement.target_cores + (config.placement.draft_cores if disaggregated else 0)
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
@@ -121,7 +124,11 @@ def test_trainium_worker_group():
     assert {v["persistentVolumeClaim"]["claimName"] for v in volumes.values() if "persistentVolumeClaim" in v} <= claims
     assert cores <= 64, "a trn2.48xlarge exposes 64 logical NeuronCores at LNC=2"
     # the compiled artifacts the workers load live on the mounted cache volume
-    assert config.engine.neuron.artifacts_dir.startswith("/mnt/neuron-cache/")
+    if disaggregated:
+        assert config.engine.neuron.artifacts_dir.startswith("/mnt/neuron-cache/")
+    else:
+        app = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]
+        assert app["runtime_env"]["env_vars"]["NEURON_COMPILED_ARTIFACTS"].startswith("/mnt/neuron-cache/")
 
 
 def test_probes_leave_room_for_loading_and_gate_traffic_on_serve():
@@ -230,7 +237,7 @@ def test_runbook_commands_match_the_manifests():
     # every file it applies exists, and every manifest of the deployment is applied
     applied = set(re.findall(r"kuberay/([\w.-]+\.yaml)", commands))
     assert applied == {"karpenter-trn2.yaml", "pvc.yaml", "download-models-job.yaml", "compile-job.yaml",
-                       "rayservice-trn2.yaml"}
+                       "rayservice-trn2.yaml", "rayservice-trn2-vllm.yaml"}
     assert "docker build -f kuberay/Dockerfile.trn2" in commands
     # each envsubst names exactly the placeholders of its file, and the runbook exports them
     for variables, name in re.findall(r"envsubst '([^']+)' < kuberay/([\w.-]+)", commands):

@@ -43,21 +43,27 @@ def clean_machine():
     stop_everything()
 
 
-def serve_run(*extra: str) -> tuple[subprocess.Popen, float]:
+def healthy() -> bool:
+    return httpx.get("http://127.0.0.1:8000/health", timeout=2).json().get("status") == "ok"
+
+
+def serve_run(*extra: str, config: str = "configs/local.yaml", ready=healthy,
+              timeout_s: float = 240) -> tuple[subprocess.Popen, float]:
     log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)  # noqa: SIM115 - kept for the process
     start = time.monotonic()
-    proc = subprocess.Popen([str(BIN / "serve"), "run", *extra, "configs/local.yaml"], cwd=ROOT, env=ENV,
+    proc = subprocess.Popen([str(BIN / "serve"), "run", *extra, config], cwd=ROOT, env=ENV,
                             stdout=log, stderr=subprocess.STDOUT)
-    deadline = start + 240
-    while time.monotonic() < deadline:
+    while time.monotonic() < start + timeout_s:
         assert proc.poll() is None, Path(log.name).read_text()[-3000:]
         try:
-            if httpx.get("http://127.0.0.1:8000/health", timeout=2).json().get("status") == "ok":
+            if ready():
                 return proc, time.monotonic() - start
         except (httpx.HTTPError, ValueError):
             pass
         time.sleep(1)
-    raise AssertionError("serve run did not answer /health in 240 s")
+    proc.terminate()
+    tail = Path(log.name).read_text()[-3000:]
+    raise AssertionError(f"serve run {config} was not ready in {timeout_s:.0f} s:\n{tail}")
 
 
 def ask() -> dict:

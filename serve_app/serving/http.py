@@ -39,6 +39,17 @@ async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
+def check_api_key(authorization: str | None, key: bytes | None) -> None:
+    """The configured key as a bearer token, compared in constant time; ``key`` None: no authentication.
+    Raises a 401 ``OpenAIError`` (also used by the vLLM engine's ingress)."""
+    if key is None:
+        return
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):
+        raise oa.OpenAIError(401, "invalid or missing API key: send it as 'Authorization: Bearer <key>'",
+                             type_="invalid_request_error", code="invalid_api_key")
+
+
 def _streaming(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     return StreamingResponse(_sse(chunks), media_type="text/event-stream")
 
@@ -70,15 +81,6 @@ def build_http_app(api: OpenAIFrontend, health: Callable[[], dict[str, Any] | No
         # Serve sets its own x-request-id header (its access log's key); the body names ours (the engine log's)
         return JSONResponse(unavailable_body(exc), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
-    def authorize(authorization: str | None) -> None:
-        """The configured key as a bearer token, compared in constant time."""
-        if key is None:
-            return
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):
-            raise oa.OpenAIError(401, "invalid or missing API key: send it as 'Authorization: Bearer <key>'",
-                                 type_="invalid_request_error", code="invalid_api_key")
-
     @app.get("/health")
     async def health_route() -> JSONResponse:
         body = health()
@@ -88,19 +90,19 @@ def build_http_app(api: OpenAIFrontend, health: Callable[[], dict[str, Any] | No
 
     @app.get("/v1/models")
     async def models(authorization: str | None = Header(None)) -> dict[str, Any]:
-        authorize(authorization)
+        check_api_key(authorization, key)
         return oa.models_body(api.model_id)
 
     @app.post("/v1/completions")
     async def completions(body: oa.CompletionRequest, authorization: str | None = Header(None)) -> Any:
-        authorize(authorization)
+        check_api_key(authorization, key)
         if body.stream:
             return _streaming(api.completion_stream(body))
         return await api.completion(body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: oa.ChatCompletionRequest, authorization: str | None = Header(None)) -> Any:
-        authorize(authorization)
+        check_api_key(authorization, key)
         if body.stream:
             return _streaming(api.chat_stream(body))
         return await api.chat(body)

@@ -6,7 +6,6 @@ the HTTP app of ``http.py`` over them. Python callers use the deployment handle'
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Any
@@ -15,7 +14,7 @@ from fastapi import FastAPI
 from ray import serve
 
 from serve_app.serving import openai_api as oa
-from serve_app.serving.config import API_KEY_ENV, AppConfig
+from serve_app.serving.config import AppConfig
 from serve_app.serving.engine_loop import EngineLoop
 from serve_app.serving.frontend import OpenAIFrontend
 from serve_app.serving.http import build_http_app
@@ -42,7 +41,7 @@ class SpeculativeLLMServer:
                                   self.config.deployment.max_queued_requests)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_http_app(self.api, self.health, self.config.api_key or os.environ.get(API_KEY_ENV) or None)
+        return build_http_app(self.api, self.health, self.config.resolved_api_key())
 
     def health(self) -> dict[str, Any] | None:
         if not self.loop.healthy:
