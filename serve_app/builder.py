@@ -75,20 +75,12 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         from serve_app.serving.vllm_app import build_vllm_app
 
         return build_vllm_app(config)
-    d = config.deployment
     options: dict[str, Any] = {
         "placement_group_bundles": replica_bundles(config),
         "placement_group_strategy": "STRICT_PACK",
         "ray_actor_options": {"num_cpus": config.placement.replica_cpus},
-        "max_ongoing_requests": d.max_ongoing_requests,
-        "health_check_period_s": d.health_check_period_s,
-        "health_check_timeout_s": d.health_check_timeout_s,
-        "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s,
+        **config.deployment.serve_options(),
     }
-    if d.autoscaling_config is not None:
-        options["autoscaling_config"] = d.autoscaling_config.model_dump(exclude_none=True)
-    else:
-        options["num_replicas"] = d.num_replicas or 1
     return SpeculativeLLMServer.options(**options).bind(config.model_dump())
 
 

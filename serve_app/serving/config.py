@@ -5,7 +5,7 @@ hatches: every key is described and unknown keys are rejected by name)."""
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -84,6 +84,20 @@ class DeploymentConfig(StrictModel):
     )
     health_check_period_s: float = Field(10.0, gt=0, description="How often Serve checks a replica's health.")
     health_check_timeout_s: float = Field(30.0, gt=0, description="How long a health check may take.")
+
+    def serve_options(self) -> dict[str, Any]:
+        """The Serve deployment options these keys set (both engines' deployments take them)."""
+        options: dict[str, Any] = {
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "health_check_period_s": self.health_check_period_s,
+            "health_check_timeout_s": self.health_check_timeout_s,
+            "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
+        }
+        if self.autoscaling_config is not None:
+            options["autoscaling_config"] = self.autoscaling_config.model_dump(exclude_none=True)
+        else:
+            options["num_replicas"] = self.num_replicas or 1
+        return options
 
     @model_validator(mode="after")
     def _one_scaling_mode(self) -> DeploymentConfig:

@@ -63,19 +63,9 @@ def llm_config(config: AppConfig) -> dict[str, Any]:
     else:
         placement = {"bundles": [{"CPU": p.worker_cpus}]}
     kwargs.update(engine.vllm.engine_kwargs)
-    deployment: dict[str, Any] = {
-        "max_ongoing_requests": d.max_ongoing_requests,
-        "health_check_period_s": d.health_check_period_s,
-        "health_check_timeout_s": d.health_check_timeout_s,
-        "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s,
-        "ray_actor_options": {"num_cpus": p.replica_cpus},
-    }
+    deployment = {**d.serve_options(), "ray_actor_options": {"num_cpus": p.replica_cpus}}
     if d.max_queued_requests is not None:  # Serve's own bound: past it the ingress answers 503
         deployment["max_queued_requests"] = d.max_queued_requests
-    if d.autoscaling_config is not None:
-        deployment["autoscaling_config"] = d.autoscaling_config.model_dump(exclude_none=True)
-    else:
-        deployment["num_replicas"] = d.num_replicas or 1
     return {
         "model_loading_config": {"model_id": config.served_model_id,
                                  "model_source": model_source(engine.model, engine.cache_dir)},
