@@ -296,7 +296,11 @@ def table(rows: list[dict], concurrencies: list[int]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the table and the JSON are the results; the figure is extra
+        print(f"no plot ({path.name}): pip install -e '.[bench]' for matplotlib")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -322,6 +326,7 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
 
 
 def shown(path: Path) -> str:
@@ -394,7 +399,7 @@ def main() -> None:
     args.out.write_text(json.dumps({"config": str(args.config), "dtype": dtype, "rows": rows}, indent=1))
     plot(rows, args.out.with_suffix(".png"))
     shutil.rmtree(workdir, ignore_errors=True) if not os.environ.get("KEEP_LOGS") else None
-    print(f"wrote {args.out}, {args.out.with_suffix('.md')}, {args.out.with_suffix('.png')}")
+    print(f"wrote {args.out}, {args.out.with_suffix('.md')}")
 
 
 if __name__ == "__main__":
