@@ -13,11 +13,11 @@ batch, up to bf16 rounding); k is fixed, no stop, no n-gram lookup. Besides the 
 length at k it estimates it for every smaller k from the share of rounds accepted at each position
 (1 + the shares before it: a smaller k would start its rounds elsewhere, so this is an estimate).
 
-    python benchmarks/bench_acceptance.py [--draft smollm2-135m-instruct-eagle] [--k 4] [--dtype bfloat16]
+    python -m benchmarks.bench_acceptance [--draft smollm2-135m-instruct-eagle] [--k 4] [--dtype bfloat16]
     # any target and draft, on your own prompts (a JSON list of strings, or one prompt per line):
-    python benchmarks/bench_acceptance.py --model SRC --draft SRC --prompts my_prompts.txt --k 8
+    python -m benchmarks.bench_acceptance --model SRC --draft SRC --prompts my_prompts.txt --k 8
     # the self suite, regenerated against a distill run's training prompts:
-    python benchmarks/bench_acceptance.py --write-self-prompts --exclude-data DIR/data.pt
+    python -m benchmarks.bench_acceptance --write-self-prompts --exclude-data DIR/data.pt
 
 Prints a table, writes benchmarks/results/acceptance.json.
 """
@@ -26,19 +26,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prompts import OPEN_ENDED, chat_ids  # noqa: E402
-
-from serve_app.config import EngineConfig, SpeculationConfig  # noqa: E402
-from serve_app.distill.prompts import chat_prompts, usable_prompts  # noqa: E402
-from serve_app.engine.factory import build_engine  # noqa: E402
-from serve_app.engine.request import GenerationParams  # noqa: E402
-from serve_app.engine.stats import SpecStats  # noqa: E402
+from benchmarks.prompts import OPEN_ENDED, chat_ids
+from serve_app.config import EngineConfig, SpeculationConfig
+from serve_app.distill.prompts import chat_prompts, usable_prompts
+from serve_app.engine.factory import build_engine
+from serve_app.engine.request import GenerationParams
+from serve_app.engine.stats import SpecStats
 
 SELF_PROMPTS = Path(__file__).parent / "self_prompts.json"
 

@@ -3,7 +3,7 @@
 Single stream, greedy, every configuration measured in the same run and reported as ratios to this
 engine's plain decoding (these machines are noisy: compare within a run, not across runs).
 
-    python benchmarks/bench_decode.py [--max-tokens 128] [--dtype bfloat16] [--threads 2]
+    python -m benchmarks.bench_decode [--max-tokens 128] [--dtype bfloat16] [--threads 2]
 
 Prints a table and writes benchmarks/results/decode.json.
 """
@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prompts import SUITES, chat_ids  # noqa: E402
-
-from serve_app.config import EngineConfig, SpeculationConfig  # noqa: E402
-from serve_app.engine.factory import build_engine  # noqa: E402
-from serve_app.engine.request import GenerationParams  # noqa: E402
-from serve_app.engine.stats import SpecStats  # noqa: E402
+from benchmarks.prompts import SUITES, chat_ids
+from serve_app.config import EngineConfig, SpeculationConfig
+from serve_app.engine.factory import build_engine
+from serve_app.engine.request import GenerationParams
+from serve_app.engine.stats import SpecStats
 
 
 def run_engine(engine, prompts, method: str, k: int, max_tokens: int) -> dict:

@@ -7,7 +7,7 @@ marked "stop" draft up to k but stop a block after a token the draft gave less t
 (``draft_stop_below``); "bgt=B" rows cap the draft tokens of a round at B over the batch
 (``draft_token_budget``: B // requests each).
 
-    python benchmarks/bench_draft.py [--draft smollm2-135m-instruct-eagle] [--ks 1,2,3,4] [--stop-below 0.5]
+    python -m benchmarks.bench_draft [--draft smollm2-135m-instruct-eagle] [--ks 1,2,3,4] [--stop-below 0.5]
         [--batch 1]  # --batch 4: each suite's four prompts decoded together; --batch 8: each twice
         [--budgets 4,8]  # add hybrid k=4 stop rows with these draft token budgets
 
@@ -19,25 +19,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prompts import SUITES, chat_ids  # noqa: E402
-
-from serve_app.config import EngineConfig, SpeculationConfig  # noqa: E402
-from serve_app.engine.factory import build_engine  # noqa: E402
-from serve_app.engine.request import GenerationParams  # noqa: E402
-from serve_app.engine.stats import SpecStats  # noqa: E402
-from serve_app.models.base import RunnerConfig  # noqa: E402
-from serve_app.models.eagle import EagleHead  # noqa: E402
-from serve_app.models.runner import ModelRunner  # noqa: E402
-from serve_app.speculation.proposers.hybrid import HybridProposer  # noqa: E402
-from serve_app.speculation.proposers.ngram import NgramProposer  # noqa: E402
-from serve_app.speculation.types import SamplingParams  # noqa: E402
+from benchmarks.prompts import SUITES, chat_ids
+from serve_app.config import EngineConfig, SpeculationConfig
+from serve_app.engine.factory import build_engine
+from serve_app.engine.request import GenerationParams
+from serve_app.engine.stats import SpecStats
+from serve_app.models.base import RunnerConfig
+from serve_app.models.eagle import EagleHead
+from serve_app.models.runner import ModelRunner
+from serve_app.speculation.proposers.hybrid import HybridProposer
+from serve_app.speculation.proposers.ngram import NgramProposer
+from serve_app.speculation.types import SamplingParams
 
 
 def step_ms(path: Path, dtype: str) -> float:
@@ -112,7 +109,7 @@ def main() -> None:
             for name, method, k, stop_below, budget in configs:
                 engine.proposers["draft"] = hybrid if method == "hybrid" else draft
                 draft.stop_below = stop_below  # type: ignore[attr-defined]
-                engine.draft_token_budget = budget
+                engine.sizer.draft_token_budget = budget
                 method = "draft" if method == "hybrid" else method
                 r = run(engine, prompts, method, k, sampling, args.max_tokens, args.batch)
                 base = base or r["tok_s"]

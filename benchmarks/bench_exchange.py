@@ -8,7 +8,7 @@ The same requests run three ways in one process, on a local Ray cluster:
 For the actor runs, the workers time their own round calls (model compute, sampling, rollback),
 and exchange = round wall time - draft compute - target compute.
 
-    python benchmarks/bench_exchange.py [--batch 1,4] [--max-tokens 64] [--k 4]
+    python -m benchmarks.bench_exchange [--batch 1,4] [--max-tokens 64] [--k 4]
 
 Target: the embedded model; draft: its first 2 layers (a stand-in with the real vocabulary and
 message sizes; acceptance does not matter here). Prints a table, writes results/exchange.json.
@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,14 +28,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prompts import SUITES, chat_ids  # noqa: E402
-
-from serve_app.config import EngineConfig, SpeculationConfig  # noqa: E402
-from serve_app.engine.factory import build_engine  # noqa: E402
-from serve_app.engine.request import GenerationParams  # noqa: E402
-from serve_app.models.sources import resolve  # noqa: E402
-from serve_app.speculation.types import ProposalBlock, SamplingParams, VerifyResult  # noqa: E402
+from benchmarks.prompts import SUITES, chat_ids
+from serve_app.config import EngineConfig, SpeculationConfig
+from serve_app.engine.factory import build_engine
+from serve_app.engine.plan import model_folder
+from serve_app.engine.request import GenerationParams
+from serve_app.speculation.types import ProposalBlock, SamplingParams, VerifyResult
 
 
 def truncated_draft(target: Path, layers: int, out: Path) -> Path:
@@ -117,7 +114,7 @@ def main() -> None:
     from serve_app.serving.config import AppConfig
     from serve_app.serving.replica import build_replica_engine
 
-    target = resolve("smollm2-135m-instruct")
+    target = model_folder("smollm2-135m-instruct")
     draft = truncated_draft(target, 2, Path(tempfile.mkdtemp()))
     engine_cfg = EngineConfig(model=str(target), dtype="bfloat16", max_batch_size=8, max_seq_len=1024,
                               num_threads=args.threads,

@@ -7,9 +7,9 @@ start does, one server at a time, the whole process tree killed after); the load
 chat prompts: the input-grounded ones of ``benchmarks/prompts.py`` (repeat or edit given code or
 text) and the distillation set's held-out open-ended ones, interleaved.
 
-    python benchmarks/bench_policy.py [--config configs/local.yaml] [--dtypes bfloat16,float32]
+    python -m benchmarks.bench_policy [--config configs/local.yaml] [--dtypes bfloat16,float32]
         [--temperatures 0,0.7] [--concurrency 1,4,16] [--ks 1,2,4] [--max-tokens 96] [--draft SRC]
-    python benchmarks/bench_policy.py --overlap [--draft SRC] [--set num_speculative_tokens=4]
+    python -m benchmarks.bench_policy --overlap [--draft SRC] [--set num_speculative_tokens=4]
 
 ``--overlap`` compares rounds with the draft overlapped behind the verify (``speculation.overlap``)
 against sequential ones, same draft, same k policy.
@@ -23,29 +23,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import (  # noqa: E402
+from benchmarks.harness import (
     DEFAULT_VENV,
     HERE,
-    SERVE_ENV,
     ensure_down,
     model_folder,
     run_client,
-    start,
+    serve_run,
     stop,
     wait_ready,
     write_dataset,
 )
-from prompts import GROUNDED  # noqa: E402
-
-from serve_app.distill.prompts import chat_prompts  # noqa: E402
+from benchmarks.prompts import GROUNDED
+from serve_app.distill.prompts import chat_prompts
 
 PROMPTS_PER_CONCURRENCY = {1: 6, 4: 12, 16: 32}
 
@@ -156,7 +152,7 @@ def main() -> None:
         for name, spec in specs.items():
             config = variant_config(args.config, workdir / f"{dtype}-{name}.yaml", dtype, spec)
             log = workdir / f"{dtype}-{name}.log"
-            proc = start(["serve", "run", str(config)], log, {"RAY_AUTH_MODE": "disabled", **SERVE_ENV})
+            proc = serve_run(config, log)
             try:
                 print(f"{dtype} {name} ready in {wait_ready(proc, log, args.ready_timeout):.0f} s", flush=True)
                 for t in temps:
@@ -172,7 +168,7 @@ def main() -> None:
 
     md = "\n\n".join(table(rows, d, t, concurrencies, list(specs)) for d in dtypes for t in temps)
     print(md)
-    dated = f"`python benchmarks/bench_policy.py` ({time.strftime('%Y-%m-%d')})"
+    dated = f"`python -m benchmarks.bench_policy` ({time.strftime('%Y-%m-%d')})"
     args.out.with_suffix(".md").write_text(f"{dated}\n\n{md}\n")
     print(f"wrote {args.out}, {args.out.with_suffix('.md')}")
 

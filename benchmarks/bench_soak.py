@@ -9,7 +9,7 @@ SIGKILLs the replica's target / draft worker every S seconds. Every request ends
 - ``refused``: a 503 before anything was accepted (the queue bound; the client may retry);
 - ``lost``: accepted, then an in-band error, a cut stream or a connection error: what must be 0.
 
-    python benchmarks/bench_soak.py [--config configs/local.yaml] [--minutes 3] [--concurrency 16]
+    python -m benchmarks.bench_soak [--config configs/local.yaml] [--minutes 3] [--concurrency 16]
         [--kill-target-every 60] [--kill-draft-every 0]
 
 Prints a table (requests per outcome, p50/p99 request latency and time to first token, output
@@ -25,16 +25,13 @@ import os
 import random
 import signal
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from bench_serve import PORT, SERVE_ENV, chat_prompts, ensure_down, model_folder, start, stop, wait_ready  # noqa: E402
+from benchmarks.harness import HERE, PORT, chat_prompts, ensure_down, model_folder, serve_run, stop, wait_ready
 
 
 async def one_request(client: httpx.AsyncClient, model_id: str, prompt: str, max_tokens: int) -> dict:
@@ -153,7 +150,7 @@ def main() -> None:
     model_id, _, _ = model_folder(args.config)
     workdir = Path(tempfile.mkdtemp(prefix="bench_soak_"))
     log = workdir / "serve.log"
-    proc = start(["serve", "run", str(args.config)], log, {"RAY_AUTH_MODE": "disabled", **SERVE_ENV})
+    proc = serve_run(args.config, log)
     os.environ["RAY_AUTH_MODE"] = "disabled"
     seconds = args.minutes * 60
     kills: list[dict] = []

