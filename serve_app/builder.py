@@ -15,6 +15,7 @@ import yaml
 from pydantic import ValidationError
 from ray.serve import Application
 
+from serve_app.config import ENGINE_KINDS, EngineConfig, VLLMEngineConfig, kind_of_key
 from serve_app.serving.config import AppConfig
 
 log = logging.getLogger(__name__)
@@ -30,14 +31,24 @@ def parse_config(args: dict[str, Any] | AppConfig | None) -> AppConfig:
     try:
         return AppConfig.model_validate(args or {})
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            key = ".".join(["args", *(str(p) for p in err["loc"])])
-            if err["type"] == "extra_forbidden":
-                lines.append(f"{key}: unknown key; remove it or check its spelling")
-            else:
-                lines.append(f"{key}: {err['msg']}")
-        raise ConfigError("invalid serve_app config:\n  " + "\n  ".join(lines)) from None
+        raise ConfigError("invalid serve_app config:\n  " + "\n  ".join(map(_explain, e.errors()))) from None
+
+
+def _explain(err: Any) -> str:
+    """One line naming the key and the fix. Inside ``engine`` pydantic's location carries the engine
+    kind's tag (``engine.vllm.backend``), which is not a key: it goes, and a key of the other kind says so."""
+    loc = [str(p) for p in err["loc"]]
+    kind = loc.pop(1) if loc[:1] == ["engine"] and len(loc) > 1 and loc[1] in ENGINE_KINDS else None
+    key = ".".join(["args", *loc])
+    if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        return f"{key}.kind: not an engine kind; use one of {', '.join(ENGINE_KINDS)}"
+    if err["type"] != "extra_forbidden":
+        return f"{key}: {err['msg']}"
+    other = kind_of_key(tuple(loc[1:]), kind) if kind is not None else None
+    if other is not None:
+        return (f"args: {'.'.join(loc)} applies to engine.kind: {other}, not {kind}; remove it or set "
+                f"engine.kind: {other}")
+    return f"{key}: unknown key; remove it or check its spelling"
 
 
 def _resolve_accelerator(config: AppConfig) -> AppConfig:
@@ -58,7 +69,7 @@ def _resolve_accelerator(config: AppConfig) -> AppConfig:
                     "(placement.fallback_to_cpu). To emulate NeuronCores locally, start Ray with "
                     "--resources='{\"neuron_cores\": 8}'.", key)
         update: dict = {"placement": p.model_copy(update={"accelerator": "CPU"})}
-        if config.engine.device != "cpu":
+        if isinstance(config.engine, EngineConfig) and config.engine.device != "cpu":
             update["engine"] = config.engine.model_copy(update={"device": "cpu"})
         return config.model_copy(update=update)
     log.warning("the cluster has no %r resource yet; replicas stay pending until nodes with it join "
@@ -71,7 +82,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     from serve_app.serving.server import SpeculativeLLMServer
 
     config = _resolve_accelerator(parse_config(args))
-    if config.engine.kind == "vllm":
+    if isinstance(config.engine, VLLMEngineConfig):
         from serve_app.serving.vllm_app import build_vllm_app
 
         return build_vllm_app(config)

@@ -16,7 +16,8 @@ from serve_app.config import EngineConfig, SpeculationConfig, auto_speculation
 from serve_app.engine.engine import RequestError
 from serve_app.engine.request import GenerationParams
 from serve_app.models.base import ModelLoadError
-from serve_app.models.sources import DEFAULT_MODEL, ModelSourceError, resolve
+from serve_app.models.dtype import DTYPE_NAMES
+from serve_app.models.sources import DEFAULT_MODEL, ModelSourceError
 from serve_app.speculation.types import SamplingParams
 
 
@@ -39,7 +40,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -180,10 +181,11 @@ def _check_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def check(args: argparse.Namespace) -> int:
-    from serve_app.speculation.compatibility import DraftMismatchError, check_draft
+    from serve_app.engine.plan import check_pair
+    from serve_app.speculation.compatibility import DraftMismatchError
 
     try:
-        notes = check_draft(resolve(args.target), resolve(args.draft))
+        notes = check_pair(args.target, args.draft)
     except (DraftMismatchError, ModelSourceError) as e:
         raise SystemExit(str(e)) from e
     print(f"ok: {args.draft} can draft for {args.target}")
@@ -238,6 +240,9 @@ def tune(args: argparse.Namespace) -> int:
 
     try:
         app = load_app_config(Path(args.config), args.app)
+        if not isinstance(app.engine, EngineConfig):
+            raise ValueError("tune measures this project's engine (engine.kind: disaggregated); vLLM's engine has "
+                             "its own speculation settings")
         batches = [int(b) for b in args.batches.split(",")]
         prompts = (Path(args.prompts).read_text().splitlines() if args.prompts else chat_prompts("heldout"))
         prompts = [p for p in prompts if p.strip()][: args.num_prompts]

@@ -10,25 +10,22 @@ from __future__ import annotations
 from pathlib import Path
 
 from serve_app.builder import load_app_config
-from serve_app.engine.factory import neuron_spec
+from serve_app.config import EngineConfig
+from serve_app.engine.plan import plan_engine
 from serve_app.models.neuron.artifacts import artifact_dir, is_complete
 from serve_app.models.neuron.runner import compile_and_load
 from serve_app.models.neuron.sdk import NxDI
 from serve_app.models.neuron.spec import NeuronSpec
-from serve_app.models.sources import resolve
 from serve_app.serving.config import AppConfig
 
 
 def compile_plan(app: AppConfig) -> list[tuple[Path, NeuronSpec]]:
-    """(model folder, spec) for the target and, with a draft model, the draft."""
-    if app.engine.backend != "neuron":
+    """(model folder, spec) for the target and, with a draft model, the draft: the engine plan's."""
+    if not isinstance(app.engine, EngineConfig) or app.engine.backend != "neuron":
         raise ValueError("compile is for engine.backend: neuron (the torch backend needs no compile step)")
-    engine, p = app.engine, app.placement
-    cache = Path(engine.cache_dir) if engine.cache_dir else None
-    plan = [(resolve(engine.model, cache), neuron_spec(engine, "target", p.target_cores))]
-    if engine.speculation.method == "draft":
-        plan.append((resolve(engine.speculation.draft, cache), neuron_spec(engine, "draft", p.draft_cores)))
-    return plan
+    plan = plan_engine(app.engine, app.placement.target_cores, app.placement.draft_cores)
+    models = [plan.target] if plan.draft is None else [plan.target, plan.draft]
+    return [(m.path, m.runner.neuron) for m in models if m.runner.neuron is not None]
 
 
 def compile_config(path: Path, app_name: str | None = None, say=print) -> list[Path]:

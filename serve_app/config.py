@@ -1,14 +1,21 @@
-"""Configuration models. One pydantic model per component slice; unknown keys are rejected."""
+"""Configuration models. One pydantic model per component slice; unknown keys are rejected.
+
+The engine block is one shape per ``engine.kind`` (a discriminated union): the keys both engines
+take live in a base model, each kind adds its own, and ``extra="forbid"`` refuses a key of the other
+kind by construction (``kind_of_key`` names which kind it belongs to, for the error message).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
+from serve_app.models.dtype import DType
 from serve_app.models.sources import DEFAULT_MODEL, shipped_models
 
 SpeculationMethod = Literal["draft", "ngram", "none"]
+MAX_SPECULATIVE_TOKENS = 16  # the largest block size k a config or a request may ask for
 # `--draft auto` and configs/local.yaml for the embedded model: its shipped EAGLE head, n-gram lookup
 # where the context matches, blocks cut where the head is unsure, at most 4 draft tokens a round over
 # the batch. The fastest on mixed prompts in benchmarks/bench_draft.py, greedy and sampled, one
@@ -26,14 +33,9 @@ def auto_speculation(model: str) -> dict:
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    def changed(self, names: tuple[str, ...]) -> list[str]:
-        """Those of ``names`` whose value is not the default (a dumped and re-read config sets every key)."""
-        fields = type(self).model_fields
-        return [n for n in names if getattr(self, n) != fields[n].get_default(call_default_factory=True)]
 
-
-class SpeculationConfig(StrictModel):
-    """How the engine drafts: the proposer and the block size k."""
+class SpeculationBase(StrictModel):
+    """The speculation keys both engine kinds take: the proposer and the block size k."""
 
     draft: str = Field(
         "ngram",
@@ -41,10 +43,30 @@ class SpeculationConfig(StrictModel):
         "source (Hugging Face folder, .gguf file or embedded name) sharing the target's tokenizer.",
     )
     num_speculative_tokens: int = Field(
-        4, ge=0, le=16,
+        4, ge=0, le=MAX_SPECULATIVE_TOKENS,
         description="Default block size k: draft tokens verified per target pass (0 = plain decoding). "
         "Requests may override it.",
     )
+    ngram_min: int = Field(1, ge=1, description="Shortest suffix n-gram the prompt lookup matches.")
+    ngram_max: int = Field(3, ge=1, description="Longest suffix n-gram the prompt lookup tries first.")
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> SpeculationBase:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        return self
+
+    @property
+    def method(self) -> SpeculationMethod:
+        if self.draft == "ngram" or self.draft == "none":
+            return self.draft
+        return "draft"
+
+
+class SpeculationConfig(SpeculationBase):
+    """How this project's engine drafts (``engine.kind: disaggregated``): the shared keys, the k
+    policy, overlapped rounds and the draft's options."""
+
     k_policy: Literal["cost_model", "fixed"] = Field(
         "cost_model",
         description="How each round's k is chosen per sequence: 'cost_model' (speculation.policy): 0 to "
@@ -84,14 +106,6 @@ class SpeculationConfig(StrictModel):
         "`ngram_match` tokens occur earlier in its context, the draft otherwise.",
     )
     ngram_match: int = Field(2, ge=1, description="Suffix length that counts as a match for ngram_first.")
-    ngram_min: int = Field(1, ge=1, description="Shortest suffix n-gram the prompt lookup matches.")
-    ngram_max: int = Field(3, ge=1, description="Longest suffix n-gram the prompt lookup tries first.")
-
-    @model_validator(mode="after")
-    def _ngram_range(self) -> SpeculationConfig:
-        if self.ngram_min > self.ngram_max:
-            raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
-        return self
 
     @model_validator(mode="after")
     def _draft_options_need_a_draft_model(self) -> SpeculationConfig:
@@ -105,9 +119,11 @@ class SpeculationConfig(StrictModel):
                              "or draft_stop_below to 0")
         return self
 
-    @property
-    def method(self) -> SpeculationMethod:
-        return self.draft if self.draft in ("ngram", "none") else "draft"  # type: ignore[return-value]
+
+class VLLMSpeculationConfig(SpeculationBase):
+    """vLLM's speculation (``engine.kind: vllm``): the shared keys become its ``speculative_config``
+    (draft: a model folder or hub id, or n-gram lookup with ngram_min / ngram_max as
+    prompt_lookup_min / prompt_lookup_max); anything else goes in engine.vllm.speculative_config."""
 
 
 class NeuronSettings(StrictModel):
@@ -150,11 +166,7 @@ class NeuronSettings(StrictModel):
         return self
 
 
-# engine.kind: vllm -- keys of the shared schema with no vLLM counterpart (refused when set, so a
-# config never believes it tuned something vLLM ignores), and vLLM arguments the shared keys set.
-DISAGGREGATED_ONLY_ENGINE_KEYS = ("backend", "device", "num_threads", "prefill_chunk_tokens", "neuron")
-DISAGGREGATED_ONLY_SPECULATION_KEYS = ("k_policy", "overlap", "draft_top_k", "draft_stop_below",
-                                       "draft_token_budget", "ngram_first", "ngram_match")
+# vLLM arguments the shared keys set (refused in engine.vllm.engine_kwargs: one schema for both engines).
 SHARED_VLLM_ARGS = {"model": "engine.model", "dtype": "engine.dtype", "max_model_len": "engine.max_seq_len",
                     "max_num_seqs": "engine.max_batch_size", "speculative_config": "engine.vllm.speculative_config",
                     "served_model_name": "model_id"}
@@ -187,23 +199,37 @@ class VLLMSettings(StrictModel):
         return self
 
 
-class EngineConfig(StrictModel):
-    """The target model, its runner and the speculation defaults."""
+class EngineBase(StrictModel):
+    """The keys both engine kinds take: the target model, its dtype and the batch and context sizes."""
 
     kind: Literal["disaggregated", "vllm"] = Field(
         "disaggregated",
         description="'disaggregated': this project's engine, the draft and the target as separate Ray actors on "
         "separate core groups. 'vllm': vLLM's engine with its own speculative decoding (draft fused with the "
         "target on the replica's cores), through Ray Serve LLM, behind the same routes, model id and API key; "
-        "needs vLLM where the replica runs (docs/engines.md).",
+        "needs vLLM where the replica runs (docs/engines.md). Each kind takes its own keys besides the shared "
+        "ones; a key of the other kind is refused at startup, named.",
     )
     model: str = Field(
         DEFAULT_MODEL,
         description="Target model source: a Hugging Face folder, a .gguf file or an embedded name.",
     )
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "bfloat16", description="Weights, activations and KV cache dtype (logits are float32)."
+    dtype: DType = Field("bfloat16", description="Weights, activations and KV cache dtype (logits are float32).")
+    max_batch_size: int = Field(8, ge=1, le=256, description="Sequences decoded together (KV-cache slots).")
+    max_seq_len: int = Field(
+        2048, ge=16,
+        description="Per-sequence token budget: prompt + max_tokens (speculative blocks fit inside it).",
     )
+    cache_dir: str | None = Field(
+        None, description="Where converted GGUF models are cached (default ~/.cache/serve_app)."
+    )
+
+
+class EngineConfig(EngineBase):
+    """This project's engine (``engine.kind: disaggregated``): the target model, its runner and the
+    speculation defaults."""
+
+    kind: Literal["disaggregated"] = Field("disaggregated", description=EngineBase.model_fields["kind"].description)
     backend: Literal["torch", "neuron"] = Field(
         "torch",
         description="Model runner: 'torch' (our forward, CPU or CUDA) or 'neuron' (NxD Inference on "
@@ -229,13 +255,9 @@ class EngineConfig(StrictModel):
         "prompt delays the running requests by a chunk a round instead of the whole prompt (None: each "
         "prompt at once). Torch backend only: a Neuron prefill graph takes the whole prompt.",
     )
-    cache_dir: str | None = Field(
-        None, description="Where converted GGUF models are cached (default ~/.cache/serve_app)."
-    )
     speculation: SpeculationConfig = Field(
         default_factory=SpeculationConfig, description="The proposer (draft model, EAGLE head, n-gram) and k.")
     neuron: NeuronSettings = Field(default_factory=NeuronSettings, description="Neuron backend settings.")
-    vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="vLLM engine settings (kind: vllm).")
 
     @property
     def neuron_context_length(self) -> int:
@@ -259,21 +281,57 @@ class EngineConfig(StrictModel):
                              "NeuronCores through placement.accelerator: neuron_cores")
         return self
 
+
+
+class VLLMEngineConfig(EngineBase):
+    """vLLM's engine (``engine.kind: vllm``) through Ray Serve LLM: the shared keys map onto vLLM's
+    arguments, the rest goes through ``engine.vllm``."""
+
+    kind: Literal["vllm"] = Field("vllm", description=EngineBase.model_fields["kind"].description)
+    speculation: VLLMSpeculationConfig = Field(
+        default_factory=VLLMSpeculationConfig,
+        description="vLLM's speculative decoding: a draft model or n-gram lookup, and k.")
+    vllm: VLLMSettings = Field(default_factory=VLLMSettings, description="vLLM engine settings.")
+
     @model_validator(mode="after")
-    def _keys_of_the_engine_kind(self) -> EngineConfig:
-        if self.kind == "disaggregated":
-            if self.changed(("vllm",)):
-                raise ValueError("engine.vllm applies to engine.kind: vllm; remove it or set kind: vllm")
-            return self
-        unused = [f"engine.{k}" for k in self.changed(DISAGGREGATED_ONLY_ENGINE_KEYS)]
-        unused += [f"engine.speculation.{k}" for k in self.speculation.changed(DISAGGREGATED_ONLY_SPECULATION_KEYS)]
+    def _a_draft_vllm_can_load(self) -> VLLMEngineConfig:
         if self.speculation.method == "draft" and self.speculation.draft in shipped_models():
             raise ValueError(f"engine.speculation.draft: {self.speculation.draft!r} is in this project's own draft "
                              "format (a reduced draft vocabulary or an EAGLE head over our runner), which vLLM "
                              "cannot load; use draft: ngram, a Hugging Face folder or hub id sharing the target's "
                              "tokenizer, or an EAGLE checkpoint through engine.vllm.speculative_config")
-        if unused:
-            raise ValueError(f"{', '.join(unused)}: not used by engine.kind: vllm (vLLM has no such setting, or "
-                             "chooses it from the platform it runs on); remove, or pass vLLM's own arguments "
-                             "in engine.vllm.engine_kwargs / engine.vllm.speculative_config")
         return self
+
+
+ENGINE_KINDS: dict[str, type[EngineBase]] = {"disaggregated": EngineConfig, "vllm": VLLMEngineConfig}
+
+
+def _engine_kind(value: Any) -> str:
+    """The tag of an engine block: its ``kind``, ``disaggregated`` when it names none."""
+    kind = value.get("kind", "disaggregated") if isinstance(value, dict) else getattr(value, "kind", None)
+    return kind if isinstance(kind, str) else "disaggregated"
+
+
+# What `engine:` takes: one shape per kind.
+AnyEngineConfig = Annotated[
+    Annotated[EngineConfig, Tag("disaggregated")] | Annotated[VLLMEngineConfig, Tag("vllm")],
+    Discriminator(_engine_kind),
+]
+
+
+def kind_of_key(path: tuple[str, ...], refused_under: str) -> str | None:
+    """The other engine kind that takes the key at ``path`` (inside ``engine``), where the kind
+    ``refused_under`` does not; None where no kind takes it (a misspelt key)."""
+    for kind, model in ENGINE_KINDS.items():
+        if kind == refused_under:
+            continue
+        current: type[BaseModel] | None = model
+        for name in path:
+            field = current.model_fields.get(name) if current is not None else None
+            if field is None:
+                break
+            annotation = field.annotation
+            current = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        else:
+            return kind
+    return None

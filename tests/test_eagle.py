@@ -19,7 +19,7 @@ import torch
 from serve_app.config import EngineConfig, SpeculationConfig
 from serve_app.distill.eagle import load_eagle, unrolled
 from serve_app.distill.train import DistillConfig, distill
-from serve_app.engine.factory import reads_features
+from serve_app.engine.plan import reads_features
 from serve_app.engine.request import GenerationParams
 from serve_app.models.base import RunnerConfig
 from serve_app.models.eagle import EagleHead, folder_fuse_layers

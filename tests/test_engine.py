@@ -10,9 +10,11 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
 from serve_app.builder import ConfigError, parse_config
+from serve_app.engine.admission import Admission
 from serve_app.engine.engine import RequestError
+from serve_app.engine.pipeline import PlainPipeline
 from serve_app.engine.request import GenerationParams
-from serve_app.speculation.policy import BlockSizePolicy
+from serve_app.speculation.policy import BlockSizePolicy, FixedPolicy
 from serve_app.speculation.types import SamplingParams
 from tests.conftest import perturbed_copy
 from tests.helpers import engine_for, hf_greedy, top_k_marginal
@@ -271,7 +273,6 @@ class AheadVerifier:
 
 def pipelined(engine):
     engine.verifier = AheadVerifier(engine.verifier)
-    engine._pipelined = True
     return engine
 
 
@@ -312,7 +313,7 @@ def test_plain_rounds_sent_ahead_lose_nothing(tiny_models):
     b = engine.add_request(ids[2], GenerationParams(max_tokens=30, method="none"))
     engine.step()
     engine.step()
-    assert engine._in_flight
+    assert isinstance(engine.pipeline, PlainPipeline) and engine.pipeline
     engine.abort(a)
     outs = []
     while engine.has_work:
@@ -330,6 +331,7 @@ def test_chunked_prefill_bounds_each_step_and_loses_nothing(tiny_models, tiny_ea
     source = tiny_eagle / "draft" if draft == "eagle" else tiny_models[draft]
     whole = engine_for(target, draft=source, k=3)
     chunked = engine_for(target, draft=source, k=3, prefill_chunk_tokens=4)
+    assert isinstance(chunked.admission, Admission) and chunked.admission.prefill_chunk == 4
     long = whole.tokenizer.encode(" ".join(PROMPTS) * 2)
     assert len(long) > 40
     prompts = [whole.tokenizer.encode(PROMPTS[1]), long, whole.tokenizer.encode(PROMPTS[0]), long[:13]]
@@ -392,7 +394,7 @@ def test_the_cost_model_policy_loses_nothing_and_its_k_0_costs_the_draft_no_step
     outs = engine.generate(prompts, GenerationParams(max_tokens=40))
     assert [o.token_ids for o in outs] == plain
     assert steps == [] and sum(o.stats.num_draft_tokens for o in outs) == 0
-    assert engine_for(target, draft=draft, k_policy="fixed").policy is None
+    assert isinstance(engine_for(target, draft=draft, k_policy="fixed").policy, FixedPolicy)
 
 
 def test_sampling_stays_exact_when_k_follows_each_sequences_acceptance(tiny_models, tmp_path):

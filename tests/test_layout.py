@@ -113,3 +113,45 @@ def test_the_configuration_reference_is_generated_and_documents_every_key():
 
     undocumented = [key for key, _, _, description in fields(AppConfig) if not description]
     assert not undocumented, undocumented
+
+
+def test_models_are_resolved_in_one_module():
+    """The engine plan answers which models a config names and where they are; nothing else resolves
+    a source (``serve_app.models.sources.resolve``)."""
+    resolvers = []
+    for p in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "serve_app.models.sources" \
+                    and any(a.name == "resolve" for a in node.names):
+                resolvers.append(module_name(p))
+            elif isinstance(node, ast.Attribute) and node.attr == "resolve" \
+                    and isinstance(node.value, ast.Name) and node.value.id == "sources":
+                resolvers.append(module_name(p))
+    assert resolvers == ["serve_app.engine.plan"], resolvers
+
+
+def protocol_members() -> set[str]:
+    from serve_app.speculation.proposers.base import Proposer
+    from serve_app.speculation.verifier import Verifier
+
+    return {name for proto in (Verifier, Proposer) for name in vars(proto) if not name.startswith("_")}
+
+
+def test_capabilities_are_declared_not_probed():
+    """The optional capabilities of the verifier and proposer protocols have default bodies: the engine
+    and the serving layer call them, never ``getattr``/``hasattr`` them."""
+    members = protocol_members()
+    assert {"can_send_ahead", "verify_async", "can_propose_ahead", "propose_ahead"} <= members
+    probes = []
+    for folder in ("engine", "serving"):
+        for p in (PACKAGE / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(p.read_text())):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                        and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2 \
+                        and isinstance(node.args[1], ast.Constant) and node.args[1].value in members:
+                    probes.append(f"{p.relative_to(ROOT)}:{node.lineno}")
+    assert not probes, probes
+
+
+def test_the_engine_module_stays_small():
+    assert len((PACKAGE / "engine" / "engine.py").read_text().splitlines()) < 300

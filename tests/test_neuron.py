@@ -17,13 +17,8 @@ from serve_app.builder import parse_config
 from serve_app.compile import compile_plan
 from serve_app.config import EngineConfig, SpeculationConfig
 from serve_app.engine.engine import RequestError
-from serve_app.engine.factory import (
-    eos_token_ids,
-    make_engine,
-    neuron_spec,
-    proposers_for,
-    runner_config,
-)
+from serve_app.engine.factory import eos_token_ids, make_engine
+from serve_app.engine.plan import neuron_spec, plan_engine, runner_config
 from serve_app.engine.request import GenerationParams
 from serve_app.models.base import ModelLoadError, RunnerConfig
 from serve_app.models.loader import build_runner
@@ -32,6 +27,7 @@ from serve_app.models.neuron.runner import NeuronModelRunner
 from serve_app.models.neuron.sdk import NeuronSDKMissing
 from serve_app.models.neuron.spec import NeuronSpec
 from serve_app.speculation.proposers.draft_model import DraftModelProposer
+from serve_app.speculation.proposers.registry import proposers_for
 from serve_app.speculation.types import SamplingParams
 from serve_app.speculation.verifier import TargetVerifier
 from tests.helpers import engine_for
@@ -205,7 +201,7 @@ def neuron_engine(tmp_path, target, draft, k):
     d = None
     if draft not in ("none", "ngram"):
         d = DraftModelProposer(build_runner(draft, runner_config(cfg, "draft", 1)), 8, target_vocab=t.vocab_size)
-    return make_engine(cfg, TargetVerifier(t), proposers_for(cfg.speculation, d), tok,
+    return make_engine(plan_engine(cfg, 2, 1), TargetVerifier(t), proposers_for(cfg.speculation, d), tok,
                        eos_token_ids(Path(target), tok))
 
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from serve_app.builder import ConfigError, parse_config
-from serve_app.config import EMBEDDED_SPECULATION
+from serve_app.config import EMBEDDED_SPECULATION, ENGINE_KINDS
 from serve_app.serving.replica import replica_bundles
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -63,3 +63,41 @@ def test_mistakes_name_the_key(args, message):
     with pytest.raises(ConfigError) as err:
         parse_config(args)
     assert message in str(err.value)
+
+
+def keys_only_of(kind: str) -> list[tuple[str, ...]]:
+    """Paths (inside ``engine``) of every key that engine kind takes and the other does not."""
+    mine, (other,) = ENGINE_KINDS[kind], [m for k, m in ENGINE_KINDS.items() if k != kind]
+    paths = [(name,) for name in mine.model_fields if name not in other.model_fields]
+    nested = mine.model_fields["speculation"].annotation, other.model_fields["speculation"].annotation
+    paths += [("speculation", name) for name in nested[0].model_fields if name not in nested[1].model_fields]
+    return paths
+
+
+@pytest.mark.parametrize("kind, other", [("disaggregated", "vllm"), ("vllm", "disaggregated")])
+def test_every_key_of_one_engine_kind_is_refused_under_the_other_naming_the_key(kind, other):
+    paths = keys_only_of(kind)
+    assert paths  # each kind has keys of its own
+    for path in paths:
+        field = ENGINE_KINDS[kind].model_fields[path[0]]
+        if len(path) == 2:
+            field = field.annotation.model_fields[path[1]]
+        value = field.get_default(call_default_factory=True)
+        value = value.model_dump() if hasattr(value, "model_dump") else value
+        engine = {"kind": other, path[0]: {path[1]: value} if len(path) == 2 else value}
+        with pytest.raises(ConfigError) as err:
+            parse_config({"engine": engine})
+        key = "engine." + ".".join(path)
+        assert f"{key} applies to engine.kind: {kind}" in str(err.value), (key, str(err.value))
+
+
+def test_the_dtype_list_and_the_k_bound_are_written_once():
+    from serve_app.config import MAX_SPECULATIVE_TOKENS
+    from serve_app.models.dtype import DTYPE_NAMES
+    from serve_app.serving.openai_api import CompletionRequest
+
+    assert DTYPE_NAMES == ("float32", "bfloat16")
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        parse_config({"engine": {"speculation": {"num_speculative_tokens": MAX_SPECULATIVE_TOKENS + 1}}})
+    with pytest.raises(ValueError):
+        CompletionRequest(model="m", prompt="x", num_speculative_tokens=MAX_SPECULATIVE_TOKENS + 1)

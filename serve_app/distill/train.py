@@ -44,11 +44,11 @@ from serve_app.distill.eagle import init_eagle, load_eagle, save_eagle
 from serve_app.distill.evaluate import acceptance, data_note
 from serve_app.distill.features import head_taps, target_features, with_taps
 from serve_app.distill.prompts import chat_prompts, stdlib_text, usable_prompts, user_turn_prefix
+from serve_app.engine.plan import model_folder
 from serve_app.engine.request import GenerationParams
 from serve_app.models.base import RunnerConfig
 from serve_app.models.eagle import fuse_layers
 from serve_app.models.runner import ModelRunner
-from serve_app.models.sources import resolve
 from serve_app.speculation.compatibility import load_vocab
 from serve_app.speculation.types import SamplingParams
 
@@ -313,7 +313,7 @@ def cached(path: Path, label: str, compute):
 
 def distill(cfg: DistillConfig) -> Path:
     cfg.out.mkdir(parents=True, exist_ok=True)
-    target_path = resolve(cfg.target)
+    target_path = model_folder(cfg.target)
     # a mistake in --taps fails before any phase runs
     taps = head_taps(cfg.taps, cfg.init, target_path) if cfg.arch == "eagle" else ()
     data = cached(cfg.out / "data.pt", "data", lambda: generate(cfg, target_path))

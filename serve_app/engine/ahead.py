@@ -18,28 +18,45 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from serve_app.speculation.proposers.base import Proposer
+from serve_app.config import SpeculationMethod
+from serve_app.speculation.proposers.base import Drafted, Proposer
 from serve_app.speculation.types import PAD_TOKEN, ProposalBlock, VerifyResult
+from serve_app.speculation.verifier import Verifier
 
-Drafted = tuple[list[int], ProposalBlock]  # guesses (PAD_TOKEN: none) and the blocks drafted ahead
+AheadRow = tuple[str, SpeculationMethod, int]  # (seq_id, its method, k of its next block)
 
 
 class DraftAhead:
-    def __init__(self, proposers: Mapping[str, Proposer]):
-        self.proposers = {m: p for m, p in proposers.items() if getattr(p, "can_propose_ahead", False)}
+    """``DraftAhead({})`` (no proposer that can draft ahead) is the engine's look-ahead without
+    ``overlap``: it drafts nothing and holds nothing."""
+
+    def __init__(self, proposers: Mapping[SpeculationMethod, Proposer]):
+        self.proposers = {m: p for m, p in proposers.items() if p.can_propose_ahead}
         self.ready: dict[str, ProposalBlock] = {}  # one-row blocks drafted ahead that held
         self.tries = self.hits = 0
 
-    def start(self, rows: Iterable[tuple[str, str, int]]) -> Callable[[], list[Drafted]]:
-        """Draft ahead for ``rows`` = (seq_id, method, k of its next block) whose block was just sent.
-        A proposer in this process drafts now; one on an actor returns a function that waits."""
+    @property
+    def enabled(self) -> bool:
+        return bool(self.proposers)
+
+    def verify(self, verifier: Verifier, block: ProposalBlock, rows: Iterable[AheadRow]
+               ) -> tuple[VerifyResult, list[Drafted]]:
+        """Send the block to the target, then have the proposers of ``rows`` = (seq_id, method, k of
+        its next block) draft their next blocks meanwhile (an in-process target verifies first: the
+        same outcome, one after the other)."""
+        wait = verifier.verify_async(block)
+        drafting = self.start(rows)
+        return wait(), drafting()
+
+    def start(self, rows: Iterable[AheadRow]) -> Callable[[], list[Drafted]]:
+        """Draft ahead for ``rows`` whose block was just sent. A proposer in this process drafts now;
+        one on an actor drafts there while the returned function waits."""
         rows = list(rows)
         waits = []
         for method, proposer in self.proposers.items():
             group = [(s, k) for s, m, k in rows if m == method]
             if any(k for _, k in group):
-                out = proposer.propose_ahead([s for s, _ in group], [k for _, k in group])  # type: ignore[attr-defined]
-                waits.append(out if callable(out) else (lambda out=out: out))
+                waits.append(proposer.propose_ahead([s for s, _ in group], [k for _, k in group]))
         return lambda: [wait() for wait in waits]
 
     def finish(self, drafted: Sequence[Drafted], result: VerifyResult, going_on: Iterable[str]) -> None:

@@ -15,6 +15,15 @@ from serve_app.speculation.types import SamplingParams
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class RequestError(ValueError):
+    """A request the engine cannot take (too long, unknown method, ...); a client error. ``param``:
+    the request field it is about (the OpenAI error body names it)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class GenerationParams:
     max_tokens: int = 128
@@ -103,8 +112,8 @@ class Request:
         character decodes to a trailing U+FFFD: it waits for the next token unless ``final``."""
         if self.read_offset == len(self.output_ids):
             return
-        before = tokenizer.decode(self.output_ids[self.prefix_offset: self.read_offset], skip_special_tokens=True)
-        window = tokenizer.decode(self.output_ids[self.prefix_offset:], skip_special_tokens=True)
+        before = str(tokenizer.decode(self.output_ids[self.prefix_offset: self.read_offset], skip_special_tokens=True))
+        window = str(tokenizer.decode(self.output_ids[self.prefix_offset:], skip_special_tokens=True))
         if window.endswith("\ufffd") and not final:
             return
         self.text += window[len(before):]

@@ -11,15 +11,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from serve_app.models.dtype import DType
 from serve_app.models.neuron.spec import NeuronSpec
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-DType = Literal["float32", "bfloat16"]
+DTYPES: dict[DType, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class ModelLoadError(RuntimeError):
@@ -62,3 +62,18 @@ class Runner(Protocol):
 
     def forward(self, seq_ids: Sequence[str], tokens: Sequence[Sequence[int]],
                 logits: Literal["last", "all"] = "last") -> torch.Tensor: ...
+
+
+@runtime_checkable
+class FeatureRunner(Runner, Protocol):
+    """A runner that also returns hidden states: an EAGLE head, and the target it reads (torch only).
+    ``taps``: the layers whose residual streams precede the final state (an EAGLE-3 head fuses them)."""
+
+    hf_config: Any
+
+    def prefill(self, seq_id: str, tokens: Sequence[int], features: torch.Tensor | None = None,
+                taps: tuple[int, ...] = ()) -> torch.Tensor: ...
+
+    def forward_hidden(self, seq_ids: Sequence[str], tokens: Sequence[Sequence[int]],
+                       logits: Literal["last", "all"] = "last", features: torch.Tensor | None = None,
+                       taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]: ...

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from serve_app.config import EngineConfig, StrictModel
+from serve_app.config import AnyEngineConfig, EngineConfig, StrictModel, VLLMEngineConfig
 from serve_app.workers.placement import Accelerator
 
 
@@ -63,9 +63,12 @@ class DeploymentConfig(StrictModel):
     max_ongoing_requests: int = Field(32, ge=1, description="Requests a replica accepts before Serve queues them.")
     max_queued_requests: int | None = Field(
         None, ge=0,
-        description="Most requests a replica holds waiting for a KV-cache slot; past it a request gets a fast "
-        "503 (OpenAI error body, code server_busy) with Retry-After instead of a long wait. None: unbounded. "
-        "(Serve's own max_queued_requests is left unbounded: its 503 is plain text without Retry-After.)",
+        description="Requests held waiting, past which a request gets a fast 503; its meaning depends on the "
+        "engine kind. kind: disaggregated: the most requests a replica holds waiting for a KV-cache slot, past "
+        "it a 503 with an OpenAI error body (code server_busy) and Retry-After (Serve's own max_queued_requests "
+        "is left unbounded: its 503 is plain text without Retry-After). kind: vllm: Serve's own "
+        "max_queued_requests, requests queued at the router for a replica, past it Serve's plain-text 503 "
+        "(vLLM queues the rest itself). None: unbounded.",
     )
     target_restart_timeout_s: float = Field(
         300.0, ge=0,
@@ -115,7 +118,9 @@ class AppConfig(StrictModel):
     model_id: str | None = Field(
         None, description="Model name clients send and /v1/models lists (default: engine.model)."
     )
-    engine: EngineConfig = Field(default_factory=EngineConfig, description="Target, runner and speculation.")
+    engine: AnyEngineConfig = Field(
+        default_factory=EngineConfig,
+        description="Target, runner and speculation; its keys depend on engine.kind (marked 'kind: ...' below).")
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Worker placement.")
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig, description="Serve deployment options.")
     exchange: Literal["actor_calls", "compiled_graph"] = Field(
@@ -143,7 +148,7 @@ class AppConfig(StrictModel):
 
     @model_validator(mode="after")
     def _cuda_runs_on_gpus(self) -> AppConfig:
-        if self.engine.kind == "vllm":  # vLLM picks its device from the platform it runs on
+        if not isinstance(self.engine, EngineConfig):  # vLLM picks its device from the platform it runs on
             return self
         on_cuda, on_gpus = self.engine.device.startswith("cuda"), self.placement.accelerator == "GPU"
         if on_cuda and not on_gpus:
@@ -156,7 +161,7 @@ class AppConfig(StrictModel):
 
     @model_validator(mode="after")
     def _neuron_runs_on_neuron_cores(self) -> AppConfig:
-        if self.engine.backend == "neuron":
+        if isinstance(self.engine, EngineConfig) and self.engine.backend == "neuron":
             if self.placement.accelerator != "neuron_cores":
                 raise ValueError("engine.backend: neuron needs placement.accelerator: neuron_cores "
                                  "(each worker's NeuronCore count is its model's tensor-parallel degree)")
@@ -167,10 +172,14 @@ class AppConfig(StrictModel):
 
     @model_validator(mode="after")
     def _vllm_runs_one_fused_engine(self) -> AppConfig:
-        if self.engine.kind != "vllm":
+        """The app-level keys of the disaggregated shape (outside the engine block, so not refused by
+        the engine's schema): set to anything but their default under kind: vllm, they are refused."""
+        if not isinstance(self.engine, VLLMEngineConfig):
             return self
-        unused = [*self.changed(("exchange",)), *(f"placement.{k}" for k in self.placement.changed(("draft_cores",))),
-                  *(f"deployment.{k}" for k in self.deployment.changed(("target_restart_timeout_s",)))]
+        keys = {"exchange": (self, "exchange"), "placement.draft_cores": (self.placement, "draft_cores"),
+                "deployment.target_restart_timeout_s": (self.deployment, "target_restart_timeout_s")}
+        unused = [key for key, (model, name) in keys.items()
+                  if getattr(model, name) != type(model).model_fields[name].get_default(call_default_factory=True)]
         if unused:
             raise ValueError(f"{', '.join(unused)}: not used by engine.kind: vllm (vLLM runs the draft inside the "
                              "target's engine, on the target's cores, and Serve replaces a failed replica); remove")

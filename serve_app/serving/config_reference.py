@@ -28,29 +28,59 @@ Generated from the code by `python -m serve_app.serving.config_reference`; do no
 """
 
 
-def nested_model(annotation: object) -> type[BaseModel] | None:
+def nested_models(annotation: object) -> list[type[BaseModel]]:
+    """The config models a key holds: one, or one per variant of a union (``engine``: one per kind)."""
+    found = []
     for t in (annotation, *typing.get_args(annotation)):
+        if typing.get_origin(t) is typing.Annotated:
+            t = typing.get_args(t)[0]
         if isinstance(t, type) and issubclass(t, BaseModel):
-            return t
-    return None
+            found.append(t)
+    return found
 
 
 def type_name(annotation: object) -> str:
+    models = nested_models(annotation)
+    if len(models) > 1:
+        return " or ".join(m.__name__ for m in models)
     text = getattr(annotation, "__name__", None) if not typing.get_args(annotation) else None
     text = text or str(annotation).replace("typing.", "")
     return text.replace("NoneType", "None").replace(" | ", " or ")  # a bare | would split the table cell
 
 
-def fields(model: type[BaseModel], prefix: str = "") -> typing.Iterator[tuple[str, str, str, str]]:
-    """(dotted key, type, default, description) of every key, nested models after their key."""
-    for name, f in model.model_fields.items():
-        sub = nested_model(f.annotation)
-        if f.default is not PydanticUndefined:
-            default = f"`{f.default!r}`"
+def kind_of(model: type[BaseModel]) -> str | None:
+    """The engine kind a variant is for (its ``kind`` field's value), None for a model of every kind."""
+    f = model.model_fields.get("kind")
+    return f.default if f is not None and isinstance(f.default, str) else None
+
+
+Variant = tuple[str | None, type[BaseModel]]  # (engine kind, or None: every kind; the model)
+
+
+def fields(model: type[BaseModel] | list[Variant], prefix: str = "") -> typing.Iterator[tuple[str, str, str, str]]:
+    """(dotted key, type, default, description) of every key, nested models after their key. Where a
+    key holds one model per engine kind, their keys are merged: a key that only some kinds take says
+    which ("kind: vllm."), and so does each kind's own description where they differ."""
+    variants: list[Variant] = [(None, model)] if isinstance(model, type) else model
+    names = list(dict.fromkeys(name for _, m in variants for name in m.model_fields))
+    for name in names:
+        having = [(kind, m.model_fields[name]) for kind, m in variants if name in m.model_fields]
+        kind, f = having[0]
+        descriptions = {(f_.description or "").replace("\n", " ") for _, f_ in having}
+        if len(having) < len(variants) or len(descriptions) > 1:
+            description = " ".join(f"kind: {k}. {(f_.description or '')}" for k, f_ in having)
         else:
-            default = "(see keys below)" if sub else "required"
-        yield prefix + name, type_name(f.annotation), default, (f.description or "").replace("\n", " ")
-        if sub is not None:
+            description = descriptions.pop()
+        sub: list[Variant] = [(kind_of(m) or k, m) for k, f_ in having for m in nested_models(f_.annotation)]
+        if sub:
+            default = "(see keys below)"
+        elif f.default is not PydanticUndefined or f.default_factory is not None:
+            default = f"`{f.get_default(call_default_factory=True)!r}`"
+        else:
+            default = "required"
+        types = " or ".join(dict.fromkeys(type_name(f_.annotation) for _, f_ in having))
+        yield prefix + name, types, default, description.replace("\n", " ")
+        if sub:
             yield from fields(sub, f"{prefix}{name}.")
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from serve_app.engine.engine import Engine
 from serve_app.engine.request import GenerationParams, RequestOutput
-from serve_app.serving.metrics import ServingMetrics
+from serve_app.serving.metrics import ReplicaMetrics
 
 log = logging.getLogger(__name__)
 GAUGE_REFRESH_S = 1.0
@@ -51,11 +51,11 @@ class _Stream:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, metrics: ServingMetrics | None = None,
-                 resume: Callable[[BaseException], bool] | None = None):
+    def __init__(self, engine: Engine, metrics: ReplicaMetrics | None = None,
+                 resume: Callable[[BaseException], bool] = lambda error: False):
         """``resume(error)``: try to recover from a failed round (True: the engine can go on)."""
         self.engine = engine
-        self.metrics = metrics
+        self.metrics = metrics or ReplicaMetrics()
         self.resume = resume
         self.error: BaseException | None = None
         self._commands: queue.Queue = queue.Queue()
@@ -114,7 +114,7 @@ class EngineLoop:
         progressed = True  # a round got through since the last resume: a failure now is a new one
         while True:
             self._drain(block=not self.engine.has_work)
-            if self.metrics and time.perf_counter() - refreshed > GAUGE_REFRESH_S:
+            if time.perf_counter() - refreshed > GAUGE_REFRESH_S:
                 refreshed = time.perf_counter()
                 self.metrics.refresh(len(self.engine.running), len(self.engine.waiting))
             if not self.engine.has_work:
@@ -133,8 +133,6 @@ class EngineLoop:
                 self._deliver(out, now)
 
     def _resumed(self, error: BaseException) -> bool:
-        if self.resume is None:
-            return False
         try:
             return self.resume(error)
         except Exception:  # noqa: BLE001 - recovery failing is one more reason to fail the requests
@@ -154,8 +152,7 @@ class EngineLoop:
                     continue  # the client left before admission
                 try:
                     self.engine.add_request(prompt_ids, params, request_id=request_id)
-                    if self.metrics:
-                        self.metrics.prompt_tokens.inc(len(prompt_ids), self.metrics.tags)
+                    self.metrics.on_admitted(len(prompt_ids))
                 except Exception as e:  # noqa: BLE001 - validated already; report anything else
                     self._push(request_id, e)
             elif command[0] == "abort":
@@ -166,19 +163,15 @@ class EngineLoop:
         if stream is None:
             return
         new = len(out.token_ids) - stream.tokens_seen
-        if self.metrics and new > 0:
+        if new > 0:
             if stream.last_token_at is None:
-                self.metrics.ttft.observe(now - stream.arrival, self.metrics.tags)
-                new -= 1
+                self.metrics.on_first_token(now - stream.arrival)
             else:
-                per_token = (now - stream.last_token_at) / new
-                for _ in range(new):
-                    self.metrics.itl.observe(per_token, self.metrics.tags)
+                self.metrics.on_next_tokens(new, (now - stream.last_token_at) / new)
             stream.last_token_at = now
         stream.tokens_seen = len(out.token_ids)
-        if out.finished and self.metrics:
-            self.metrics.requests.inc(1, {**self.metrics.tags, "finish_reason": str(out.finish_reason)})
-            self.metrics.generation_tokens.inc(len(out.token_ids), self.metrics.tags)
+        if out.finished:
+            self.metrics.on_finished(str(out.finish_reason), len(out.token_ids))
         self._push(out.request_id, out)
 
     def _push(self, request_id: str, item: RequestOutput | BaseException) -> None:

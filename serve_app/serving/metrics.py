@@ -31,7 +31,36 @@ LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.6
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8, 25.6, 51.2]
 
 
-class ServingMetrics:
+class ReplicaMetrics:
+    """What a replica and its engine loop report. This base records nothing: the null object for
+    replicas and loops built without Serve (tests, tools); ``ServingMetrics`` exports it all."""
+
+    def on_round(self, result: VerifyResult, seconds: float) -> None:
+        pass
+
+    def on_draft_state(self, available: bool) -> None:
+        pass
+
+    def on_target_restart(self, resumed: bool, seconds: float) -> None:
+        pass
+
+    def refresh(self, running: int, waiting: int) -> None:
+        pass
+
+    def on_admitted(self, prompt_tokens: int) -> None:
+        pass
+
+    def on_first_token(self, seconds: float) -> None:
+        """Arrival to the first generated token."""
+
+    def on_next_tokens(self, n: int, seconds_each: float) -> None:
+        """``n`` tokens after the first, ``seconds_each`` apart."""
+
+    def on_finished(self, finish_reason: str, tokens: int) -> None:
+        pass
+
+
+class ServingMetrics(ReplicaMetrics):
     def __init__(self, model_name: str):
         self.tags = {"model_name": model_name}
         keys = ("model_name",)
@@ -72,6 +101,20 @@ class ServingMetrics:
         self.resume_seconds = metrics.Histogram(
             "serve_app_target_worker_resume_seconds", "From a lost target worker to its requests resumed.",
             TTFT_BUCKETS + [102.4, 204.8, 409.6], keys)
+
+    def on_admitted(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens, self.tags)
+
+    def on_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds, self.tags)
+
+    def on_next_tokens(self, n: int, seconds_each: float) -> None:
+        for _ in range(n):
+            self.itl.observe(seconds_each, self.tags)
+
+    def on_finished(self, finish_reason: str, tokens: int) -> None:
+        self.requests.inc(1, {**self.tags, "finish_reason": finish_reason})
+        self.generation_tokens.inc(tokens, self.tags)
 
     def on_target_restart(self, resumed: bool, seconds: float) -> None:
         self.target_restarts.inc(1, {**self.tags, "outcome": "resumed" if resumed else "failed"})

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from serve_app.config import SpeculationMethod
+from serve_app.config import MAX_SPECULATIVE_TOKENS, SpeculationMethod
 from serve_app.engine.request import GenerationParams, RequestOutput
 from serve_app.speculation.types import SamplingParams
 
@@ -90,7 +90,7 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: must be 0")
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: must be 0")
     ignore_eos: bool = False
-    num_speculative_tokens: int | None = Field(None, ge=0, le=16)
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
     speculative_method: SpeculationMethod | None = None
 
     @field_validator("stop")

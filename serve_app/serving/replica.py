@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -18,12 +17,13 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from serve_app.config import EngineConfig
 from serve_app.engine.engine import Engine
-from serve_app.engine.factory import eos_token_ids, make_engine, proposers_for, runner_config, shipped_features
-from serve_app.models.sources import resolve
+from serve_app.engine.factory import eos_token_ids, make_engine
+from serve_app.engine.plan import plan_engine
 from serve_app.serving.config import AppConfig, PlacementConfig
-from serve_app.serving.metrics import ServingMetrics
-from serve_app.speculation.compatibility import check_draft
+from serve_app.serving.metrics import ReplicaMetrics
+from serve_app.speculation.proposers.registry import proposers_for
 from serve_app.workers.draft_worker import DraftWorker
 from serve_app.workers.placement import worker_resources
 from serve_app.workers.remote import RemoteDraftProposer, RemoteVerifier, WorkerError
@@ -61,7 +61,7 @@ class ReplicaEngine:
     verifier: RemoteVerifier
     draft: RemoteDraftProposer | None
     target_restart_timeout_s: float = 0.0
-    metrics: ServingMetrics | None = None
+    metrics: ReplicaMetrics = field(default_factory=ReplicaMetrics)
 
     @property
     def target(self) -> Any:
@@ -82,14 +82,12 @@ class ReplicaEngine:
             self.verifier.restart(self.target_restart_timeout_s)
         except WorkerError as e:
             log.error("the new target worker did not come up within %.0f s: %s", self.target_restart_timeout_s, e)
-            if self.metrics:
-                self.metrics.on_target_restart(False, time.perf_counter() - start)
+            self.metrics.on_target_restart(False, time.perf_counter() - start)
             return False
         seconds = time.perf_counter() - start
         log.warning("target worker replaced in %.1f s (pid %d); %d requests resume", seconds, self.verifier.info.pid,
                     requeued)
-        if self.metrics:
-            self.metrics.on_target_restart(True, seconds)
+        self.metrics.on_target_restart(True, seconds)
         return True
 
     def close(self) -> None:
@@ -98,48 +96,44 @@ class ReplicaEngine:
             self.draft.close()
 
 
-def build_replica_engine(config: AppConfig, metrics: ServingMetrics | None = None) -> ReplicaEngine:
+def build_replica_engine(config: AppConfig, metrics: ReplicaMetrics | None = None) -> ReplicaEngine:
     from serve_app.workers.target_worker import TargetWorker
 
+    metrics = metrics or ReplicaMetrics()
     engine_cfg, p = config.engine, config.placement
+    if not isinstance(engine_cfg, EngineConfig):
+        raise TypeError("engine.kind: vllm is served by serving.vllm_app, not by this project's replica")
     if engine_cfg.backend == "neuron":
         from serve_app.models.neuron.sdk import NxDI
 
         NxDI()  # the workers share this node (STRICT_PACK): fail now, with the install hint, if it lacks the SDK
-    cache_dir = Path(engine_cfg.cache_dir) if engine_cfg.cache_dir else None
-    target_path = resolve(engine_cfg.model, cache_dir)  # converts a GGUF once, on this node
-    rc = runner_config(engine_cfg, "target", p.target_cores)
+    plan = plan_engine(engine_cfg, p.target_cores, p.draft_cores)  # converts a GGUF once, on this node
     compiled = config.exchange == "compiled_graph"
     spec = engine_cfg.speculation
-    draft_path = resolve(spec.draft, cache_dir) if spec.method == "draft" else None
-    if draft_path is not None:
-        check_draft(target_path, draft_path)  # fails at startup, naming what differs
-    features, taps = shipped_features(engine_cfg, draft_path) if draft_path is not None else (False, ())
 
     def spawn_target() -> Any:
         return ray.remote(TargetWorker).options(**actor_options(p, p.target_cores, TARGET_BUNDLE)).remote(
-            str(target_path), rc, p.accelerator, engine_cfg.num_threads, features, taps)
+            str(plan.target.path), plan.target.runner, p.accelerator, engine_cfg.num_threads, plan.features, plan.taps)
 
     verifier = RemoteVerifier(spawn_target, engine_cfg.max_batch_size, compiled)  # waits for the model to load
     workers = {"target": verifier.info}
-    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    tokenizer = AutoTokenizer.from_pretrained(plan.target.path)
 
     draft: RemoteDraftProposer | None = None
-    if draft_path is not None:
-        vocab = workers["target"].vocab_size
+    if plan.draft is not None:
+        vocab, draft_plan = workers["target"].vocab_size, plan.draft
 
         def spawn() -> Any:
             return ray.remote(DraftWorker).options(**actor_options(p, p.draft_cores, DRAFT_BUNDLE)).remote(
-                str(draft_path), runner_config(engine_cfg, "draft", p.draft_cores), spec.draft_top_k, vocab,
-                p.accelerator, engine_cfg.num_threads, spec.draft_stop_below)
+                str(draft_plan.path), draft_plan.runner, spec.draft_top_k, vocab, p.accelerator,
+                engine_cfg.num_threads, spec.draft_stop_below)
 
-        draft = RemoteDraftProposer(spawn, compiled, on_state=metrics.on_draft_state if metrics else lambda _: None,
-                                    can_propose_ahead=not features)  # an EAGLE head (features) cannot
+        draft = RemoteDraftProposer(spawn, compiled, on_state=metrics.on_draft_state,
+                                    can_propose_ahead=not plan.features)  # an EAGLE head (features) cannot
         workers["draft"] = ray.get(draft.actor.info.remote())
-        if metrics:
-            metrics.on_draft_state(True)
+        metrics.on_draft_state(True)
 
-    engine = make_engine(engine_cfg, verifier, proposers_for(spec, draft), tokenizer,
-                         eos_token_ids(target_path, tokenizer), on_round=metrics.on_round if metrics else None)
+    engine = make_engine(plan, verifier, proposers_for(spec, draft), tokenizer,
+                         eos_token_ids(plan.target.path, tokenizer), on_round=metrics.on_round)
     log.info("replica ready: %s", {k: (v.pid, v.visible_cores) for k, v in workers.items()})
     return ReplicaEngine(engine, tokenizer, verifier, draft, config.deployment.target_restart_timeout_s, metrics)

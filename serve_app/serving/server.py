@@ -18,11 +18,11 @@ from serve_app.serving.config import AppConfig
 from serve_app.serving.engine_loop import EngineLoop
 from serve_app.serving.frontend import OpenAIFrontend
 from serve_app.serving.http import build_http_app
-from serve_app.serving.metrics import ServingMetrics
+from serve_app.serving.metrics import ReplicaMetrics, ServingMetrics
 from serve_app.serving.replica import ReplicaEngine, build_replica_engine
 
 log = logging.getLogger(__name__)
-EngineFactory = Callable[[AppConfig, ServingMetrics], ReplicaEngine]
+EngineFactory = Callable[[AppConfig, ReplicaMetrics], ReplicaEngine]
 
 
 @serve.deployment(name="SpeculativeLLMServer")

@@ -14,26 +14,17 @@ penalties; ``response_format`` and ``tools`` where vLLM is configured for them) 
 # No `from __future__ import annotations`: FastAPI reads the ingress routes' annotations, which name
 # classes imported inside guarded_ingress, so they must be evaluated where they are defined.
 import re
-from pathlib import Path
 from typing import Any
 
-from serve_app.config import EngineConfig
-from serve_app.models.sources import EMBEDDED_MODELS, resolve
+from serve_app.config import VLLMEngineConfig
+from serve_app.engine.plan import served_source
 from serve_app.serving.config import AppConfig
 
 # This project's per-request extensions with no vLLM counterpart (vLLM takes top_k and ignore_eos too).
 UNSUPPORTED_EXTENSIONS = ("num_speculative_tokens", "speculative_method")
 
 
-def model_source(source: str, cache_dir: str | None) -> str:
-    """What vLLM loads: embedded names and GGUF files as the Hugging Face folder this project converts
-    them to (vLLM's GGUF loader needs a separate tokenizer); folders and hub ids as they are."""
-    if source in EMBEDDED_MODELS or source.lower().endswith(".gguf"):
-        return str(resolve(source, Path(cache_dir) if cache_dir else None))
-    return source
-
-
-def speculative_config(engine: EngineConfig) -> dict[str, Any] | None:
+def speculative_config(engine: VLLMEngineConfig) -> dict[str, Any] | None:
     """vLLM's ``speculative_config`` from ``engine.speculation`` plus ``engine.vllm.speculative_config``."""
     spec, out = engine.speculation, {}
     k = spec.num_speculative_tokens
@@ -41,7 +32,7 @@ def speculative_config(engine: EngineConfig) -> dict[str, Any] | None:
         out = {"method": "ngram", "num_speculative_tokens": k,
                "prompt_lookup_min": spec.ngram_min, "prompt_lookup_max": spec.ngram_max}
     elif spec.method == "draft" and k:  # vLLM infers the method (draft model, EAGLE, MTP) from the checkpoint
-        out = {"model": model_source(spec.draft, engine.cache_dir), "num_speculative_tokens": k}
+        out = {"model": served_source(spec.draft, engine), "num_speculative_tokens": k}
     out.update(engine.vllm.speculative_config)
     return out or None
 
@@ -49,6 +40,8 @@ def speculative_config(engine: EngineConfig) -> dict[str, Any] | None:
 def llm_config(config: AppConfig) -> dict[str, Any]:
     """The keyword arguments of ``ray.serve.llm.LLMConfig`` for this config."""
     engine, p, d = config.engine, config.placement, config.deployment
+    if not isinstance(engine, VLLMEngineConfig):
+        raise TypeError("llm_config maps engine.kind: vllm")
     kwargs: dict[str, Any] = {"dtype": engine.dtype, "max_model_len": engine.max_seq_len,
                               "max_num_seqs": engine.max_batch_size}
     spec = speculative_config(engine)
@@ -68,7 +61,7 @@ def llm_config(config: AppConfig) -> dict[str, Any]:
         deployment["max_queued_requests"] = d.max_queued_requests
     return {
         "model_loading_config": {"model_id": config.served_model_id,
-                                 "model_source": model_source(engine.model, engine.cache_dir)},
+                                 "model_source": served_source(engine.model, engine)},
         "engine_kwargs": kwargs,
         "deployment_config": deployment,
         "placement_group_config": {**placement, "strategy": "STRICT_PACK"},

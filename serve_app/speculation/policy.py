@@ -23,7 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
+from serve_app.config import SpeculationConfig
 from serve_app.speculation.types import VerifyResult
 
 
@@ -105,6 +107,41 @@ class Row:
     method: str
 
 
+class KPolicy(Protocol):
+    """Chooses each round's k per row within its cap, from what it has been told of past rounds.
+    ``choose`` is a pure query: calling it twice changes nothing; what it learns comes from
+    ``observe`` and ``record_costs``, once per real round."""
+
+    def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]: ...
+
+    def observe(self, result: VerifyResult) -> None: ...
+
+    def record_costs(self, costs: RoundCosts) -> None: ...
+
+    def forget(self, seq_id: str) -> None: ...
+
+    def snapshot(self) -> dict: ...
+
+
+class FixedPolicy:
+    """``k_policy: fixed`` (and nothing to draft): every row drafts its cap."""
+
+    def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]:
+        return [r.cap for r in rows]
+
+    def observe(self, result: VerifyResult) -> None:
+        pass
+
+    def record_costs(self, costs: RoundCosts) -> None:
+        pass
+
+    def forget(self, seq_id: str) -> None:
+        pass
+
+    def snapshot(self) -> dict:
+        return {}
+
+
 GUARD_ROUNDS = 8  # realized rounds of each kind, at a batch size, before the guard judges it
 EXPLORE_EVERY, EXPLORE_FOR = 100, 4  # while the guard holds speculation off: rounds that try it anyway
 
@@ -137,7 +174,7 @@ class BlockSizePolicy:
         self.plain = LinearCost(*verify_cost)
         self.plain_rounds = 0
         self.realized: dict[tuple[bool, int], tuple[float, int]] = {}  # (speculative, batch) -> (EMA tok/s, rounds)
-        self.held: dict[int, int] = {}  # rounds the model chose to speculate, per batch size (the guard's clock)
+        self.held: dict[int, int] = {}  # rounds at a batch size since the guard could judge it (the guard's clock)
 
     # ---- learning ----------------------------------------------------------------------------
     def observe(self, result: VerifyResult) -> None:
@@ -157,6 +194,10 @@ class BlockSizePolicy:
             self.engine_wide.record(drafted, accepted)
 
     def record_costs(self, costs: RoundCosts) -> None:
+        """One real round's costs: the lines, the realized rates, and the guard's clock (advanced here,
+        once a round, never by ``choose``)."""
+        if self.realized.get((True, costs.batch), (0.0, 0))[1] >= GUARD_ROUNDS:
+            self.held[costs.batch] = self.held.get(costs.batch, 0) + 1
         if costs.interval_s and costs.gained:
             key = (costs.tokens > costs.batch, costs.batch)
             rate, n = self.realized.get(key, (0.0, 0))
@@ -169,7 +210,7 @@ class BlockSizePolicy:
             return
         self.verify.add(costs.tokens, costs.verify_s)
         for method, (steps, seconds) in costs.draft_s.items():
-            self._draft_cost(method).add(steps, seconds)
+            self.drafts.setdefault(method, LinearCost(*self.draft_prior)).add(steps, seconds)
         if costs.overhead_s is not None:
             self.overhead = 0.9 * self.overhead + 0.1 * costs.overhead_s
 
@@ -177,9 +218,8 @@ class BlockSizePolicy:
         self.sequences.pop(seq_id, None)
 
     def _draft_cost(self, method: str) -> LinearCost:
-        if method not in self.drafts:
-            self.drafts[method] = LinearCost(*self.draft_prior)
-        return self.drafts[method]
+        """The learned line of a proposer, or the prior line until it has drafted (not stored: a query)."""
+        return self.drafts.get(method) or LinearCost(*self.draft_prior)
 
     # ---- the choice --------------------------------------------------------------------------
     def alphas(self, seq_id: str, n: int) -> list[float]:
@@ -192,7 +232,8 @@ class BlockSizePolicy:
         return out
 
     def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]:
-        """k for each row, to maximise expected tokens per second of this round (within the guard)."""
+        """k for each row, to maximise expected tokens per second of this round (within the guard).
+        A pure query: the round it chooses for is number ``held + 1`` of the guard's clock."""
         ks = self._model_choice(rows, plain_overhead_hidden)
         batch = len(rows)
         if not any(ks):
@@ -200,7 +241,7 @@ class BlockSizePolicy:
         spec_seen = self.realized.get((True, batch), (0.0, 0))[1]
         if spec_seen < GUARD_ROUNDS:
             return ks
-        n = self.held[batch] = self.held.get(batch, 0) + 1
+        n = self.held.get(batch, 0) + 1
         if self.realized.get((False, batch), (0.0, 0))[1] < GUARD_ROUNDS and n % EXPLORE_EVERY < GUARD_ROUNDS:
             return [0] * batch  # measure plain rounds at this batch size too, to judge by
         if self.speculation_loses(batch) and n % EXPLORE_EVERY >= EXPLORE_FOR:
@@ -259,3 +300,11 @@ class BlockSizePolicy:
             "overhead_s": round(self.overhead, 6),
             "plain_round_s": {"fixed": round(self.plain.a, 6), "per_sequence": round(self.plain.b, 6)},
         }
+
+
+def policy_for(spec: SpeculationConfig) -> KPolicy:
+    """The engine's k policy: the cost model with its guard, or every row its cap when k is fixed or
+    nothing drafts."""
+    if spec.k_policy == "fixed" or spec.method == "none" or spec.num_speculative_tokens == 0:
+        return FixedPolicy()
+    return BlockSizePolicy(spec.num_speculative_tokens)

@@ -13,12 +13,12 @@ head fuses them): the prompt's from ``add_sequence``, each round's in ``VerifyRe
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
-from serve_app.models.base import Runner
+from serve_app.models.base import FeatureRunner, Runner
 from serve_app.speculation.rejection_sampler import greedy_verify, rejection_sample
 from serve_app.speculation.sampling import probabilities
 from serve_app.speculation.types import FEATURE_DTYPE, PAD_TOKEN, ProposalBlock, SamplingParams, VerifyResult
@@ -26,9 +26,11 @@ from serve_app.speculation.types import FEATURE_DTYPE, PAD_TOKEN, ProposalBlock,
 
 class Verifier(Protocol):
     """What the engine drives: the target side, in this process (``TargetVerifier``) or on a Ray
-    actor (``workers.remote.RemoteVerifier``, which may add ``verify_async`` for pipelined rounds)."""
+    actor (``workers.remote.RemoteVerifier``). Implementations subclass it explicitly, so the
+    optional capability below has its default."""
 
     max_batch_size: int
+    can_send_ahead: bool = False  # rounds may be sent before the last one's result (calls run in order)
 
     @property
     def free_slots(self) -> int: ...
@@ -42,12 +44,22 @@ class Verifier(Protocol):
 
     def verify(self, block: ProposalBlock) -> VerifyResult: ...
 
+    def verify_async(self, block: ProposalBlock) -> Callable[[], VerifyResult]:
+        """Send a round; the returned function waits for its result. In this process: verify now."""
+        result = self.verify(block)
+        return lambda: result
 
-class TargetVerifier:
+
+class TargetVerifier(Verifier):
     def __init__(self, runner: Runner, features: bool = False, taps: tuple[int, ...] = ()):
         self.runner = runner
         self.max_batch_size = runner.free_slots  # a new runner holds no sequence
         self.features = features
+        self.feature_runner: FeatureRunner | None = None  # the runner, when it ships features
+        if features:
+            if not isinstance(runner, FeatureRunner):
+                raise ValueError(f"features=True needs a runner that returns hidden states (torch), not {runner!r}")
+            self.feature_runner = runner
         self.taps = taps
         self.params: dict[str, SamplingParams] = {}
         self.last_token: dict[str, int] = {}
@@ -79,13 +91,14 @@ class TargetVerifier:
         rest = self.unprefilled[seq_id]
         count = len(rest) if count is None else count
         chunk, self.unprefilled[seq_id] = rest[:count], rest[count:]
-        if not self.features:
+        runner = self.feature_runner
+        if runner is None:
             if chunk:
                 self.runner.prefill(seq_id, chunk)
             return None
         if not chunk:
-            return torch.zeros((0, (len(self.taps) + 1) * self.runner.hf_config.hidden_size), dtype=FEATURE_DTYPE)
-        return self.runner.prefill(seq_id, chunk, taps=self.taps).to("cpu", FEATURE_DTYPE)
+            return torch.zeros((0, (len(self.taps) + 1) * runner.hf_config.hidden_size), dtype=FEATURE_DTYPE)
+        return runner.prefill(seq_id, chunk, taps=self.taps).to("cpu", FEATURE_DTYPE)
 
     def remove_sequence(self, seq_id: str) -> None:
         if seq_id in self.params:
@@ -101,8 +114,9 @@ class TargetVerifier:
         start = [self.runner.length(s) for s in seq_ids]
         feed = [[self.last_token[s]] + drafts[i, : counts[i]].tolist() for i, s in enumerate(seq_ids)]
         features = None
-        if self.features:
-            logits, hidden = self.runner.forward_hidden(seq_ids, feed, logits="all", taps=self.taps)  # [b, k + 1, .]
+        if self.feature_runner is not None:
+            # [batch, k + 1, vocab], [batch, k + 1, (len(taps) + 1) * hidden]
+            logits, hidden = self.feature_runner.forward_hidden(seq_ids, feed, logits="all", taps=self.taps)
             features = hidden.to("cpu", FEATURE_DTYPE)
         else:
             logits = self.runner.forward(seq_ids, feed, logits="all")  # [batch, k + 1, vocab]

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from serve_app.engine.factory import draft_proposer
 from serve_app.models.base import RunnerConfig
 from serve_app.models.loader import build_runner
+from serve_app.speculation.proposers.registry import draft_proposer
 from serve_app.speculation.types import ProposalBlock, VerifyResult
 from serve_app.workers.base import WorkerBase, WorkerInfo
 from serve_app.workers.placement import Accelerator
@@ -52,4 +52,4 @@ class DraftWorker(WorkerBase):
         with self._round():
             for result in previous:
                 self.proposer.observe(result)
-            return self.proposer.propose_ahead(seq_ids, num_tokens)
+            return self.proposer.propose_ahead(seq_ids, num_tokens)()  # drafted here, now

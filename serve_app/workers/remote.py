@@ -22,7 +22,9 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayError
 
-from serve_app.speculation.types import PAD_TOKEN, ProposalBlock, SamplingParams, VerifyResult
+from serve_app.speculation.proposers.base import Drafted, Proposer, nothing_drafted
+from serve_app.speculation.types import ProposalBlock, SamplingParams, VerifyResult
+from serve_app.speculation.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +76,7 @@ class RoundChannel:
             self.dag = None
 
 
-class RemoteVerifier:
+class RemoteVerifier(Verifier):
     """The engine's target side, on a ``TargetWorker`` actor. ``restart`` replaces a lost actor with a
     new one in the same placement-group bundle (the engine then re-admits its requests)."""
 
@@ -151,7 +153,7 @@ class RemoteVerifier:
         self.channel.close()
 
 
-class RemoteDraftProposer:
+class RemoteDraftProposer(Proposer):
     """The draft proposer, on a ``DraftWorker`` actor, with fallback to plain decoding."""
 
     def __init__(self, spawn: Callable[[], Any], compiled: bool,
@@ -201,18 +203,17 @@ class RemoteDraftProposer:
                 self._fail(e)
         return ProposalBlock.make_dummy(seq_ids, [[] for _ in seq_ids])
 
-    def propose_ahead(self, seq_ids: Sequence[str], num_tokens: Sequence[int]
-                      ) -> Callable[[], tuple[list[int], ProposalBlock]]:
+    def propose_ahead(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> Callable[[], Drafted]:
         """Start drafting the next blocks on the actor (an ordinary call: it runs while the target
         verifies); the returned function waits for (guesses, blocks)."""
         counts = tuple(k if s in self.on_draft else 0 for s, k in zip(seq_ids, num_tokens, strict=True))
-        nothing = ([PAD_TOKEN] * len(seq_ids), ProposalBlock.make_dummy(seq_ids, [[] for _ in seq_ids]))
+        nothing = nothing_drafted(seq_ids)
         if self.channel is None or not any(counts):
             return lambda: nothing
         ref = self.actor.propose_ahead.remote((tuple(self.pending), tuple(seq_ids), counts))
         self.pending.clear()
 
-        def wait() -> tuple[list[int], ProposalBlock]:
+        def wait() -> Drafted:
             try:
                 return ray.get(ref, timeout=ROUND_TIMEOUT_S)
             except (RayError, GetTimeoutError) as e:

@@ -7,16 +7,26 @@ the typed messages of ``serve_app.speculation.types``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from serve_app.speculation.types import ProposalBlock, SamplingParams, VerifyResult
+from serve_app.speculation.types import PAD_TOKEN, ProposalBlock, SamplingParams, VerifyResult
+
+# Drafted ahead: each row's guess of the target's next token (PAD_TOKEN: none), and the blocks.
+Drafted = tuple[list[int], ProposalBlock]
+
+
+def nothing_drafted(seq_ids: Sequence[str]) -> Drafted:
+    return [PAD_TOKEN] * len(seq_ids), ProposalBlock.make_dummy(seq_ids, [[] for _ in seq_ids])
 
 
 @runtime_checkable
 class Proposer(Protocol):
+    """Implementations subclass it explicitly, so the optional capability below has its default."""
+
+    can_propose_ahead: bool = False  # drafts the next block while the target verifies (``propose_ahead``)
     def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                      features: torch.Tensor | None = None) -> None:
         """Start tracking a sequence (a draft model prefills it here). ``features``: the target's
@@ -31,6 +41,13 @@ class Proposer(Protocol):
 
     def observe(self, result: VerifyResult) -> None:
         """Learn what the target kept; rows of sequences this proposer does not hold are ignored."""
+
+    def propose_ahead(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> Callable[[], Drafted]:
+        """Overlapped rounds (``engine.ahead``): start drafting each sequence's next block from the
+        optimistic continuation of the block just sent; the returned function waits for it. A
+        proposer without the capability drafts nothing ahead."""
+        drafted = nothing_drafted(seq_ids)
+        return lambda: drafted
 
 
 class TokenHistory:
@@ -60,7 +77,7 @@ class TokenHistory:
         return held
 
 
-class NoProposer:
+class NoProposer(Proposer):
     """Plain decoding: proposes nothing, so every round is one target step."""
 
     def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,

@@ -21,19 +21,19 @@ al. 2024, arXiv 2405.19715, makes the same decision with a trained acceptance pr
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from serve_app.models.base import Runner
-from serve_app.speculation.proposers.base import TokenHistory
+from serve_app.speculation.proposers.base import Drafted, Proposer, TokenHistory
 from serve_app.speculation.sampling import probabilities, truncate_top
 from serve_app.speculation.types import PAD_TOKEN, ProposalBlock, SamplingParams, VerifyResult
 
 DRAFT_SEED_OFFSET = 0x5EED  # the draft's generator must not replay the target's random stream
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     can_propose_ahead = True  # overlapped rounds: see propose_ahead
     def __init__(self, runner: Runner, width: int = 32, target_vocab: int | None = None,
                  vocab_map: list[int] | None = None, stop_below: float = 0.0):
@@ -103,7 +103,7 @@ class DraftModelProposer:
             for r, i in enumerate(rows):
                 token, ids, probs = chosen[r][:3]
                 tokens[i, step], drafted[i] = token, step + 1
-                if ids is not None and q_ids is not None and q_probs is not None:
+                if ids is not None and probs is not None and q_ids is not None and q_probs is not None:
                     q_ids[i, step], q_probs[i, step] = ids, probs
             # Rows that still need tokens, and trust the one they just drew, feed it (the last is never fed).
             keep = [r for r, i in enumerate(rows) if step + 1 < num_tokens[i] and chosen[r][3] >= self.stop_below]
@@ -114,7 +114,12 @@ class DraftModelProposer:
             self.last_block[s] = tokens[i, : drafted[i]].tolist()
         return ProposalBlock(tuple(seq_ids), tokens, torch.tensor(drafted, dtype=torch.long), q_ids, q_probs)
 
-    def propose_ahead(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> tuple[list[int], ProposalBlock]:
+    def propose_ahead(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> Callable[[], Drafted]:
+        """Drafts ahead now, in this process (see ``_draft_ahead``); the function returns the result."""
+        drafted = self._draft_ahead(seq_ids, num_tokens)
+        return lambda: drafted
+
+    def _draft_ahead(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> Drafted:
         """Overlapped rounds (PEARL, arXiv 2408.11850, post-verify): while the target verifies the block
         each sequence was just given, draft its next block from the optimistic continuation: that block
         all accepted, then the draft's own guess of the target's next token (its argmax). Returns the

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from serve_app.models.base import FeatureRunner
 from serve_app.speculation.proposers.draft_model import DraftModelProposer
 from serve_app.speculation.types import FEATURE_DTYPE, SamplingParams, VerifyResult
 
@@ -22,11 +23,13 @@ from serve_app.speculation.types import FEATURE_DTYPE, SamplingParams, VerifyRes
 class EagleProposer(DraftModelProposer):
     # A head continues from the target's features of the tokens it reads; an optimistic block has none.
     can_propose_ahead = False
-    def __init__(self, runner, width: int = 32, target_vocab: int | None = None, vocab_map: list[int] | None = None,
-                 stop_below: float = 0.0):
+    runner: FeatureRunner
+
+    def __init__(self, runner: FeatureRunner, width: int = 32, target_vocab: int | None = None,
+                 vocab_map: list[int] | None = None, stop_below: float = 0.0):
         super().__init__(runner, width, target_vocab, vocab_map, stop_below)
         # the target's features: its final state, after the streams of any layers the head taps (EAGLE-3)
-        self.true_width: int = (len(runner.model.fuse_layers) + 1) * runner.model.feature_size
+        self.true_width: int = (len(runner.model.fuse_layers) + 1) * runner.model.feature_size  # type: ignore[attr-defined]
         self.pending: dict[str, list[torch.Tensor]] = {}  # true features not fed yet, oldest first
 
     def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,

@@ -9,17 +9,17 @@ n-gram rounds at its next proposal).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from serve_app.speculation.proposers.base import Proposer
+from serve_app.speculation.proposers.base import Drafted, Proposer
 from serve_app.speculation.proposers.ngram import NgramProposer, lookup
 from serve_app.speculation.types import ProposalBlock, SamplingParams, VerifyResult
 
 
-class HybridProposer:
+class HybridProposer(Proposer):
     def __init__(self, ngram: NgramProposer, draft: Proposer, min_match: int = 2):
         self.ngram, self.draft, self.min_match = ngram, draft, min_match
         self.by_draft: set[str] = set()  # sequences the draft proposed for in the last round
@@ -34,7 +34,8 @@ class HybridProposer:
         self.draft.remove_sequence(seq_id)
 
     def propose(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> ProposalBlock:
-        by_lookup, by_draft = [], []
+        by_lookup: list[tuple[str, int]] = []
+        by_draft: list[tuple[str, int]] = []
         for s, k in zip(seq_ids, num_tokens, strict=True):
             matched = k > 0 and lookup(np.asarray(self.ngram.history.tokens[s]), 1,
                                        max(self.min_match, self.ngram.min_n), self.ngram.max_n)
@@ -44,15 +45,15 @@ class HybridProposer:
                   for p, rows in ((self.ngram, by_lookup), (self.draft, by_draft)) if rows]
         return ProposalBlock.concat(blocks)  # the engine matches rows by seq_id, not by order
 
-    def propose_ahead(self, seq_ids: Sequence[str], num_tokens: Sequence[int]):
+    def propose_ahead(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> Callable[[], Drafted]:
         """Overlapped rounds: the draft drafts ahead for the sequences it proposed for (what it returns:
         see ``DraftModelProposer.propose_ahead``); a lookup is nearly free, so its sequences look up
         again next round."""
-        return self.draft.propose_ahead(*self._draft_rows(seq_ids, num_tokens))  # type: ignore[attr-defined]
+        return self.draft.propose_ahead(*self._draft_rows(seq_ids, num_tokens))
 
     @property
-    def can_propose_ahead(self) -> bool:
-        return getattr(self.draft, "can_propose_ahead", False)
+    def can_propose_ahead(self) -> bool:  # type: ignore[override]  # the draft's, read-only
+        return self.draft.can_propose_ahead
 
     def _draft_rows(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> tuple[list[str], list[int]]:
         return list(seq_ids), [k if s in self.by_draft else 0 for s, k in zip(seq_ids, num_tokens, strict=True)]

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from serve_app.speculation.proposers.base import TokenHistory
+from serve_app.speculation.proposers.base import Proposer, TokenHistory
 from serve_app.speculation.types import ProposalBlock, SamplingParams, VerifyResult
 
 
@@ -31,7 +31,7 @@ def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
     return []
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     def __init__(self, min_n: int = 1, max_n: int = 3):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")

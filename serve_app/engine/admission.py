@@ -1,0 +1,59 @@
+"""Admission: requests wait for a KV-cache slot, then the target caches their prompts.
+
+Chunked prefill (``prefill_chunk``): a step caches at most that many prompt tokens before its round,
+continuing the prompt it started in an earlier step, so admitting a long prompt delays the running
+sequences by a chunk a round, never by the whole prompt. A sequence joins the round once its prompt
+is cached (the engine then hands it to its proposer, which prefills its own copy at once: drafts are
+small). The last prompt token is never cached here: the sequence's first round scores it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from serve_app.engine.request import Request
+from serve_app.speculation.verifier import Verifier
+
+
+class Admission:
+    def __init__(self, prefill_chunk: int | None = None):
+        self.prefill_chunk = prefill_chunk  # most prompt tokens cached per step; None: whole prompts
+        self.waiting: deque[Request] = deque()
+        # admitted, prompt partly cached on the target (oldest first), with the features returned so far
+        self.prefilling: deque[tuple[Request, list[torch.Tensor | None]]] = deque()
+
+    def step(self, verifier: Verifier) -> tuple[bool, list[tuple[Request, torch.Tensor | None]]]:
+        """Cache what this step's budget allows (the prompt started earlier first). Returns whether it
+        did anything, and the requests whose prompt is now all cached, with the target's features of
+        it (an EAGLE head reads them; None otherwise)."""
+        budget, admitted, ready = self.prefill_chunk, False, []
+        while budget is None or budget > 0:
+            if self.prefilling:
+                req, parts = self.prefilling[0]
+                n = self._count(req, budget)
+                parts.append(verifier.continue_prefill(req.request_id, n))
+            elif self.waiting and verifier.free_slots > 0:
+                req = self.waiting[0]
+                n = self._count(req, budget)
+                parts = [verifier.add_sequence(req.request_id, req.context_ids, req.params.sampling, n)]
+                self.waiting.popleft()  # only once the target holds it: a failed call leaves it queued
+                self.prefilling.append((req, parts))
+            else:
+                break
+            admitted = True
+            req.prefilled += n
+            req.stats.target_forward_passes += int(n > 0)
+            if budget is not None:
+                budget -= max(n, 1)  # a one-token prompt caches nothing, but admitting it is a call
+            if req.prefilled == len(req.context_ids) - 1:
+                self.prefilling.popleft()
+                cached = [t for t in parts if t is not None]
+                ready.append((req, torch.cat(cached) if cached else None))
+        return admitted, ready
+
+    @staticmethod
+    def _count(req: Request, budget: int | None) -> int:
+        left = len(req.context_ids) - 1 - req.prefilled  # the last token is scored by the first round
+        return left if budget is None else min(left, budget)
