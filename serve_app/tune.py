@@ -11,8 +11,10 @@ In-process, on the config's target and draft (torch backend), it
 4. projects another machine from per-component costs you give (default: the Trainium2 reference
    pair, see ``Projection.trn2_reference``) with the acceptance measured here, or one you give.
 
-It prints a table, writes ``tune.json`` and, with matplotlib installed (``pip install -e .[bench]``),
-``acceptance.png``, ``throughput.png`` and ``costs.png``.
+It prints a table, writes ``tune.json`` and, with matplotlib installed (``pip install -e ".[bench]"``;
+without it, one line says so), ``acceptance.png``, ``throughput.png`` and ``costs.png``. A draft
+position the target never looked at (every block rejected before it) is reported as never reached
+(null in the JSON) and counts as never accepted in the projections.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class Projection:
 class TuneReport:
     max_k: int
     batches: list[int]
-    acceptance_per_position: list[float]
+    acceptance_per_position: list[float | None]  # None: a position drafted but never looked at
     measured: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> k -> tok/s
     expected: dict[int, dict[int, float]] = field(default_factory=dict)
     expected_overlapped: dict[int, dict[int, float]] = field(default_factory=dict)
@@ -134,8 +136,9 @@ class Planner:
         report = TuneReport(self.max_k, list(batches), [])
         for b in batches:
             report.measured[b] = {k: round(self.run(k, b), 2) for k in range(self.max_k + 1)}
-        alphas = [self.acceptance.rate(j, 0.0, 0.0) for j in range(len(self.acceptance.reached))]
-        report.acceptance_per_position = [round(a, 4) for a in alphas]
+        measured = [self.acceptance.measured(j) for j in range(len(self.acceptance.reached))]
+        report.acceptance_per_position = [None if a is None else round(a, 4) for a in measured]
+        alphas = [0.0 if a is None else a for a in measured]  # never reached: counted as never accepted
         overhead = sorted(self.overheads)[len(self.overheads) // 2] if self.overheads else 0.0
         for b in batches:
             seq, ovl, share = {}, {}, {}
@@ -171,7 +174,8 @@ def project(p: Projection, alphas: Sequence[float], max_k: int, batch: int = 4) 
 
 
 def format_report(r: TuneReport) -> str:
-    lines = [f"acceptance per draft position (conditional): {r.acceptance_per_position}",
+    shown = ["never reached" if a is None else a for a in r.acceptance_per_position]
+    lines = [f"acceptance per draft position (conditional): {shown}",
              f"costs: {json.dumps(r.costs)}", ""]
     for b in r.batches:
         lines += [f"batch {b}: k | measured tok/s | expected (sequential) | expected (draft overlapped) | draft share",
@@ -194,7 +198,12 @@ def format_report(r: TuneReport) -> str:
     return "\n".join(lines)
 
 
-def write_report(r: TuneReport, planner: Planner, out: Path) -> list[Path]:
+PLOTS = ("acceptance.png", "throughput.png", "costs.png")
+NO_PLOTS = f'no plots: pip install -e ".[bench]" adds matplotlib, for {", ".join(PLOTS)}'
+
+
+def write_report(r: TuneReport, planner: Planner, out: Path, say=print) -> list[Path]:
+    """``tune.json``, and the plots where matplotlib is installed (else one line saying how to get them)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "tune.json").write_text(json.dumps(asdict(r), indent=2))
     written = [out / "tune.json"]
@@ -204,9 +213,14 @@ def write_report(r: TuneReport, planner: Planner, out: Path) -> list[Path]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        say(NO_PLOTS)
         return written
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.bar(range(1, len(r.acceptance_per_position) + 1), r.acceptance_per_position)
+    positions = range(1, len(r.acceptance_per_position) + 1)
+    ax.bar(positions, [a or 0.0 for a in r.acceptance_per_position])
+    for x, a in zip(positions, r.acceptance_per_position, strict=True):
+        if a is None:
+            ax.text(x, 0.02, "never\nreached", ha="center", fontsize=7)
     ax.set(xlabel="draft position", ylabel="P(accepted | earlier accepted)", ylim=(0, 1))
     fig.tight_layout()
     fig.savefig(out / "acceptance.png")
@@ -231,7 +245,7 @@ def write_report(r: TuneReport, planner: Planner, out: Path) -> list[Path]:
     fig.tight_layout()
     fig.savefig(out / "costs.png")
     plt.close("all")
-    return written + [out / "acceptance.png", out / "throughput.png", out / "costs.png"]
+    return written + [out / name for name in PLOTS]
 
 
 def tune(config: EngineConfig, prompts: Sequence[str], *, chat: bool, max_tokens: int, batches: Sequence[int],
@@ -255,6 +269,6 @@ def tune(config: EngineConfig, prompts: Sequence[str], *, chat: bool, max_tokens
     say(f"measuring k = 0..{max_k} at batch {list(batches)} on {len(ids)} prompts x {max_tokens} tokens")
     report = planner.plan(batches, projection, projection_alphas)
     say(format_report(report))
-    for path in write_report(report, planner, out):
+    for path in write_report(report, planner, out, say):
         say(f"wrote {path}")
     return report

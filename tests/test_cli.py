@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from serve_app.cli import main
+from serve_app.speculation.policy import Acceptance
 from serve_app.tune import expected_tokens
 
 STATS_KEYS = {
@@ -105,3 +107,41 @@ def test_the_planners_expected_tokens_per_round():
     assert expected_tokens([1.0, 1.0, 1.0], 3) == 4.0
     assert expected_tokens([0.0, 1.0], 2) == 1.0
     assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
+
+
+def test_tune_on_a_tiny_sample_reports_positions_it_never_reached(tiny_models, tmp_path):
+    """A draft the target rejects at once leaves later draft positions never looked at: the planner says
+    so (the table, null in the JSON) instead of dividing by an empty count; without matplotlib it
+    names the command that adds the plots."""
+    import yaml
+
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"applications": [{"name": "app", "import_path": "serve_app.builder:build_app",
+        "args": {"engine": {"model": str(tiny_models["qwen3"]), "dtype": "float32", "max_seq_len": 256,
+                            "speculation": {"draft": str(tiny_models["qwen3_draft"]),
+                                            "num_speculative_tokens": 4}}}}]}))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\nThe quick brown fox\nimport os\nclass A:\n")
+    no_matplotlib = tmp_path / "no_matplotlib" / "matplotlib"
+    no_matplotlib.mkdir(parents=True)
+    (no_matplotlib / "__init__.py").write_text("raise ImportError('matplotlib is not installed (test)')\n")
+    proc = subprocess.run([sys.executable, "-m", "serve_app", "tune", str(config), "--prompts", str(prompts), "--raw",
+                           "--batches", "1", "--num-prompts", "4", "--max-tokens", "48",
+                           "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(no_matplotlib.parent)})
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "out" / "tune.json").read_text())
+    acceptance = report["acceptance_per_position"]
+    assert len(acceptance) == 4 and None in acceptance  # a position drafted but never looked at
+    assert all(a is None or 0.0 <= a <= 1.0 for a in acceptance)
+    assert "never reached" in proc.stdout
+    assert 'no plots: pip install -e ".[bench]"' in proc.stdout
+    assert not list((tmp_path / "out").glob("*.png"))
+
+
+def test_acceptance_rates_never_divide_by_an_empty_count():
+    acceptance = Acceptance(decay=1.0)
+    acceptance.add(4, 0)  # position 0 rejected: 1..3 drafted, never looked at
+    assert acceptance.measured(0) == 0.0 and acceptance.measured(1) is None and acceptance.measured(9) is None
+    assert acceptance.rate(1, 0.3, 0.0) == 0.3  # no count and no prior weight: the prior

@@ -80,9 +80,18 @@ class Acceptance:
             self.accepted[j] += j < accepted
 
     def rate(self, j: int, prior: float, weight: float) -> float:
-        if j >= len(self.reached):
+        """P(draft j accepted | drafts before it accepted), the counts shrunk toward ``prior`` by
+        ``weight`` samples; the prior where there is neither a count nor a weight."""
+        if j >= len(self.reached) or self.reached[j] + weight <= 0:
             return prior
         return (self.accepted[j] + weight * prior) / (self.reached[j] + weight)
+
+    def measured(self, j: int) -> float | None:
+        """The measured rate at position j alone; None where the target never looked at it (drafted
+        but always rejected before it, or never drafted)."""
+        if j >= len(self.reached) or self.reached[j] <= 0:
+            return None
+        return self.accepted[j] / self.reached[j]
 
 
 @dataclass(frozen=True)
@@ -293,8 +302,8 @@ class BlockSizePolicy:
     def snapshot(self) -> dict:
         """What the policy sees now (for metrics, logs and the planner)."""
         return {
-            "acceptance_per_position": [round(self.engine_wide.rate(j, self.prior_alpha, 0.0), 4)
-                                        for j in range(len(self.engine_wide.reached))],
+            "acceptance_per_position": [None if (a := self.engine_wide.measured(j)) is None else round(a, 4)
+                                        for j in range(len(self.engine_wide.reached))],  # None: never reached
             "verify_s": {"fixed": round(self.verify.a, 6), "per_token": round(self.verify.b, 6)},
             "draft_s": {m: {"fixed": round(c.a, 6), "per_step": round(c.b, 6)} for m, c in self.drafts.items()},
             "overhead_s": round(self.overhead, 6),
