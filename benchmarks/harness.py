@@ -147,6 +147,14 @@ def model_folder(config: Path) -> tuple[str, Path, str]:
     return args.get("model_id") or model, folder_of(model), engine.get("dtype", "bfloat16")
 
 
+def draft_folder(config: Path) -> Path | None:
+    """The Hugging Face folder of the config's draft model (None: n-gram lookup or none)."""
+    from serve_app.engine.plan import model_folder as folder_of
+
+    draft = config_args(config).get("engine", {}).get("speculation", {}).get("draft", "ngram")
+    return None if draft in ("ngram", "none") else folder_of(draft)
+
+
 def shown(path: Path) -> str:
     """A path as a reader of the results reproduces it: relative to the repository when inside it."""
     try:

@@ -21,7 +21,8 @@ from serve_app.builder import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CRDS = ROOT.parent / "shared" / "kuberay" / "crds"
-MANIFESTS = {"rayservice-cpu.yaml": "local.yaml", "rayservice-trn2.yaml": "trn2-qwen3-32b.yaml",
+MANIFESTS = {"rayservice-cpu.yaml": "local.yaml", "rayservice-coder.yaml": "coder.yaml",
+             "rayservice-trn2.yaml": "trn2-qwen3-32b.yaml",
              "rayservice-trn2-vllm.yaml": "trn2-qwen3-32b-vllm.yaml"}
 DEPRECATED = {"serviceUnhealthySecondThreshold", "deploymentUnhealthySecondThreshold"}
 

@@ -69,3 +69,32 @@ def test_embedded_model_is_converted_once_and_reloads_fast(smollm2_path):
     assert (again / "model.safetensors").is_file() and (again / "tokenizer.json").is_file()
     config = json.loads((again / "config.json").read_text())
     assert config["model_type"] == "llama" and "quantization_config" not in config
+
+
+@pytest.mark.slow
+def test_a_gguf_converted_a_tensor_at_a_time_holds_what_transformers_loads(smollm2_path, tmp_path, monkeypatch):
+    """``models.gguf`` streams tensors into shards; the weights are exactly transformers' own GGUF load
+    (float32), and in bfloat16 exactly those rounded; shards and their index follow Hugging Face's names."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from serve_app.models import gguf
+    from serve_app.models.sources import embedded_gguf
+
+    path = embedded_gguf("smollm2-135m-instruct")
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="float32").state_dict()
+    monkeypatch.setattr(gguf, "SHARD_BYTES", 64 << 20)  # several shards
+    for dtype in ("float32", "bfloat16"):
+        out = tmp_path / dtype
+        out.mkdir()
+        gguf.write_hf_folder(path, out, dtype)
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        shards = sorted(out.glob("model-*-of-*.safetensors"))
+        assert len(shards) > 1 and set(index["weight_map"].values()) == {s.name for s in shards}
+        state = {k: v for s in shards for k, v in load_file(s).items()}
+        assert set(state) == set(reference) - {"lm_head.weight"}  # tied: the embedding serves as the head
+        for name, tensor in state.items():
+            assert torch.equal(tensor, reference[name].to(getattr(torch, dtype))), name
+        config = json.loads((out / "config.json").read_text())
+        assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config

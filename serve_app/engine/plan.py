@@ -17,7 +17,7 @@ from serve_app.config import EngineConfig, VLLMEngineConfig
 from serve_app.models.base import RunnerConfig
 from serve_app.models.eagle import folder_fuse_layers, is_eagle_folder
 from serve_app.models.neuron.spec import NeuronSpec, Role
-from serve_app.models.sources import EMBEDDED_MODELS, resolve
+from serve_app.models.sources import named_models, resolve
 from serve_app.speculation.compatibility import check_draft
 
 
@@ -114,8 +114,8 @@ def check_pair(target: str, draft: str) -> list[str]:
 
 def served_source(source: str, config: VLLMEngineConfig) -> str:
     """What an engine that loads Hugging Face folders and hub ids itself (the vLLM kind) is given:
-    embedded names and GGUF files as the folder this project converts them to (vLLM's GGUF loader needs
+    named models and GGUF files as the folder this project converts them to (vLLM's GGUF loader needs
     a separate tokenizer); folders and hub ids as they are."""
-    if source in EMBEDDED_MODELS or source.lower().endswith(".gguf"):
+    if source in named_models() or source.lower().endswith(".gguf"):
         return str(resolve(source, cache_dir(config)))
     return source

