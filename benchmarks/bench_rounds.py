@@ -84,7 +84,8 @@ def main() -> None:
     batches = [int(b) for b in args.batch.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(model_folder(app.engine.model))
     texts = humaneval_prompts(args.vllm_venv, max(batches))
-    ray.init(include_dashboard=False, logging_level="ERROR")
+    # NeuronCores emulated (DESIGN.md), so the config's placement runs as it is
+    ray.init(resources={"neuron_cores": 8}, include_dashboard=False, logging_level="ERROR")
     rows = []
     for overlap in (False, True):
         spec = app.engine.speculation.model_copy(update={"overlap": overlap})
