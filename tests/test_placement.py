@@ -70,11 +70,27 @@ def test_available_cpus_is_within_the_affinity():
 def test_thread_plan_widens_only_for_large_rounds():
     from serve_app.workers.placement import ThreadPlan
 
-    plan = ThreadPlan.for_target(cpus=2)
+    plan = ThreadPlan.for_worker("target", weight_bytes=270_000_000, alone=True, cpus=2)
     assert plan.threads(1) == 1  # a batch-1 step stays off the core the replica and the ingress use
     assert plan.threads(plan.wide_from_tokens - 1) == 1
     assert plan.threads(plan.wide_from_tokens) == 2  # a large round gains more than it loses to stalls
     assert plan.threads(None) == 2  # a prefill
-    assert ThreadPlan.for_target(cpus=1).threads(64) == 1
+    assert ThreadPlan.for_worker("target", 270_000_000, alone=True, cpus=1).threads(64) == 1
     fixed = ThreadPlan.fixed(3)
     assert fixed.threads(1) == fixed.threads(100) == 3
+
+
+def test_a_heavy_model_computing_alone_takes_every_core_and_shares_them_when_rounds_overlap():
+    """A forward that reads a gigabyte takes 150 ms on one core and 85 on two (the 1.5 B target here):
+    the stall a shared core costs is lost in it. But while the draft drafts ahead during the target's
+    verify, each keeps to its own cores."""
+    from serve_app.workers.placement import HEAVY_WEIGHT_BYTES, ThreadPlan
+
+    heavy = HEAVY_WEIGHT_BYTES
+    assert ThreadPlan.for_worker("target", heavy, alone=True, cpus=2).threads(1) == 2
+    assert ThreadPlan.for_worker("draft", heavy, alone=True, cpus=2).threads(1) == 2
+    assert ThreadPlan.for_worker("target", heavy, alone=False, cpus=2).threads(1) == 1
+    assert ThreadPlan.for_worker("target", heavy, alone=False, cpus=2).threads(None) == 2
+    assert ThreadPlan.for_worker("draft", heavy, alone=False, cpus=2).threads(None) == 1
+    assert ThreadPlan.for_worker("draft", heavy - 1, alone=True, cpus=2).threads(1) == 1
+    assert ThreadPlan.for_worker("draft", heavy, alone=True, cpus=1).threads(1) == 1

@@ -44,6 +44,7 @@ class Runner(Protocol):
 
     path: Path
     vocab_size: int
+    weight_bytes: int  # what its weights hold (0 where torch's CPU threads do not compute its forward)
 
     @property
     def free_slots(self) -> int: ...

@@ -75,6 +75,7 @@ class ModelRunner(SequenceSlots):
         self.config = config
         self.dtype = DTYPES[config.dtype]
         self.model = load_causal_lm(self.path, self.dtype, config.device)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.hf_config = self.model.config
         self.vocab_size: int = self.hf_config.vocab_size
         self.capacity = config.max_seq_len

@@ -113,7 +113,8 @@ def build_replica_engine(config: AppConfig, metrics: ReplicaMetrics | None = Non
 
     def spawn_target() -> Any:
         return ray.remote(TargetWorker).options(**actor_options(p, p.target_cores, TARGET_BUNDLE)).remote(
-            str(plan.target.path), plan.target.runner, p.accelerator, engine_cfg.num_threads, plan.features, plan.taps)
+            str(plan.target.path), plan.target.runner, p.accelerator, engine_cfg.num_threads, plan.features, plan.taps,
+            not spec.overlap)
 
     verifier = RemoteVerifier(spawn_target, engine_cfg.max_batch_size, compiled)  # waits for the model to load
     workers = {"target": verifier.info}
@@ -126,7 +127,7 @@ def build_replica_engine(config: AppConfig, metrics: ReplicaMetrics | None = Non
         def spawn() -> Any:
             return ray.remote(DraftWorker).options(**actor_options(p, p.draft_cores, DRAFT_BUNDLE)).remote(
                 str(draft_plan.path), draft_plan.runner, spec.draft_top_k, vocab, p.accelerator,
-                engine_cfg.num_threads, spec.draft_stop_below)
+                engine_cfg.num_threads, spec.draft_stop_below, not spec.overlap)
 
         draft = RemoteDraftProposer(spawn, compiled, on_state=metrics.on_draft_state,
                                     can_propose_ahead=not plan.features)  # an EAGLE head (features) cannot

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
+from serve_app.models.base import Runner
 from serve_app.speculation.types import SamplingParams
-from serve_app.workers.placement import Accelerator, claim_neuron_cores
+from serve_app.workers.placement import Accelerator, ThreadPlan, available_cpus, claim_neuron_cores
 
 
 @dataclass(frozen=True)
@@ -35,19 +36,23 @@ class WorkerBase:
     owner: Any  # the TargetVerifier or proposer that holds the sequences' state
 
     def _start(self, accelerator: Accelerator, num_threads: int | None) -> None:
+        """Before the model loads (on every core unless ``num_threads`` is set: loading is all prefill)."""
         self.lock = threading.Lock()
         self.busy_s, self.round_calls = 0.0, 0  # model compute of round calls, for the exchange benchmark
         self.accelerator = accelerator
         self.cores = claim_neuron_cores(f"{self.role} worker") if accelerator == "neuron_cores" else None
-        torch.set_num_threads(num_threads or self.default_threads())
+        self.num_threads = num_threads
+        torch.set_num_threads(num_threads or available_cpus())
 
-    def default_threads(self) -> int:
-        """Threads when the config sets none: see ``EngineConfig.num_threads``."""
-        return 1
+    def _plan_threads(self, runner: Runner, alone: bool) -> None:
+        """Once the model is loaded: the threads of each forward (see ``EngineConfig.num_threads``)."""
+        self.plan = ThreadPlan.fixed(self.num_threads) if self.num_threads else \
+            ThreadPlan.for_worker(self.role, runner.weight_bytes, alone)
+        torch.set_num_threads(self.plan.narrow)
 
     def _threads_for(self, tokens: int | None) -> None:
-        """Size torch's thread pool for a forward of ``tokens`` tokens (None: a prefill); by default
-        the pool stays as ``_start`` sized it."""
+        """Size torch's thread pool for a forward of ``tokens`` tokens (None: a prefill)."""
+        torch.set_num_threads(self.plan.threads(tokens))
 
     def _info(self, vocab_size: int) -> WorkerInfo:
         import ray

@@ -21,10 +21,13 @@ class DraftWorker(WorkerBase):
     role = "draft"
 
     def __init__(self, model_path: str, runner_config: RunnerConfig, width: int, target_vocab: int,
-                 accelerator: Accelerator = "CPU", num_threads: int | None = None, stop_below: float = 0.0):
+                 accelerator: Accelerator = "CPU", num_threads: int | None = None, stop_below: float = 0.0,
+                 alone: bool = True):
+        """``alone``: the target never computes while this worker drafts (rounds not overlapped)."""
         self._start(accelerator, num_threads)
         runner = build_runner(model_path, runner_config)
         self.proposer = self.owner = draft_proposer(runner, Path(model_path), width, target_vocab, stop_below)
+        self._plan_threads(runner, alone)
 
     def info(self) -> WorkerInfo:
         return self._info(self.proposer.runner.vocab_size)
@@ -34,6 +37,7 @@ class DraftWorker(WorkerBase):
         One argument, because a compiled graph passes one input."""
         previous, seq_ids, num_tokens = request
         with self._round():
+            self._threads_for(len(seq_ids))
             for result in previous:
                 self.proposer.observe(result)
             return self.proposer.propose(seq_ids, num_tokens)
@@ -50,6 +54,7 @@ class DraftWorker(WorkerBase):
         (``DraftModelProposer.propose_ahead``); ``request`` as for ``propose``."""
         previous, seq_ids, num_tokens = request
         with self._round():
+            self._threads_for(len(seq_ids))
             for result in previous:
                 self.proposer.observe(result)
             return self.proposer.propose_ahead(seq_ids, num_tokens)()  # drafted here, now

@@ -92,11 +92,18 @@ def _cgroup_cpu_quota() -> float | None:
     return int(quota) / int(period)
 
 
+# Weights past which one forward is long enough that every core pays (measured here, bf16, batch 1):
+# the 0.5 B draft (0.99 GB) steps in 95 ms on one core and 58 on two, the 1.5 B target (3.1 GB) in 255
+# and 144; SmolLM2-135M (0.27 GB) in 17 ms on one and 20 on two as served, the stall of sharing a core
+# with the replica and the ingress outweighing the second core.
+HEAVY_WEIGHT_BYTES = 768 * 2**20
+
+
 @dataclass(frozen=True)
 class ThreadPlan:
     """torch intra-op threads per forward, by the tokens it processes.
 
-    A served target leaves one core to the replica, the HTTP ingress and the draft for its small
+    A small served target leaves one core to the replica, the HTTP ingress and the draft for its small
     steps: a compute thread sharing a core with them stalls every parallel region it joins (batch 1
     on 2 cores: 20 ms a step with 2 threads against 17 with 1). A large forward (a batch of 16, a
     prefill) is worth that core: 26-31 ms with 2 threads against 39 with 1 at batch 16 (measured here,
@@ -108,9 +115,14 @@ class ThreadPlan:
     wide_from_tokens: int = 8
 
     @classmethod
-    def for_target(cls, cpus: int | None = None) -> ThreadPlan:
+    def for_worker(cls, role: str, weight_bytes: int, alone: bool, cpus: int | None = None) -> ThreadPlan:
+        """``alone``: the other worker never computes while this one does (sequential rounds). A heavy
+        model alone then takes every core for every forward (``HEAVY_WEIGHT_BYTES``); otherwise the
+        target leaves a core to the rest and the draft keeps to one."""
         cpus = available_cpus() if cpus is None else cpus
-        return cls(max(1, cpus - 1), cpus)
+        if alone and weight_bytes >= HEAVY_WEIGHT_BYTES:
+            return cls(cpus, cpus)
+        return cls(max(1, cpus - 1), cpus) if role == "target" else cls(1, 1)
 
     @classmethod
     def fixed(cls, threads: int) -> ThreadPlan:

@@ -12,21 +12,20 @@ from serve_app.models.loader import build_runner
 from serve_app.speculation.types import ProposalBlock, VerifyResult
 from serve_app.speculation.verifier import TargetVerifier
 from serve_app.workers.base import WorkerBase, WorkerInfo
-from serve_app.workers.placement import Accelerator, ThreadPlan
+from serve_app.workers.placement import Accelerator
 
 
 class TargetWorker(WorkerBase):
     role = "target"
 
     def __init__(self, model_path: str, runner_config: RunnerConfig, accelerator: Accelerator = "CPU",
-                 num_threads: int | None = None, features: bool = False, taps: tuple[int, ...] = ()):
-        """``features``: ship the target's hidden states to an EAGLE draft, after the ``taps`` it fuses."""
-        self.plan = ThreadPlan.fixed(num_threads) if num_threads else ThreadPlan.for_target()
-        self._start(accelerator, self.plan.narrow)
+                 num_threads: int | None = None, features: bool = False, taps: tuple[int, ...] = (),
+                 alone: bool = True):
+        """``features``: ship the target's hidden states to an EAGLE draft, after the ``taps`` it fuses.
+        ``alone``: the draft never computes while this worker verifies (rounds not overlapped)."""
+        self._start(accelerator, num_threads)
         self.verifier = self.owner = TargetVerifier(build_runner(model_path, runner_config), features, taps)
-
-    def _threads_for(self, tokens: int | None) -> None:
-        torch.set_num_threads(self.plan.threads(tokens))
+        self._plan_threads(self.verifier.runner, alone)
 
     def info(self) -> WorkerInfo:
         return self._info(self.verifier.runner.vocab_size)

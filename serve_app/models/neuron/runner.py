@@ -74,6 +74,7 @@ class NeuronModelRunner(SequenceSlots):
         self.spec: NeuronSpec = config.neuron
         self.model, self.artifacts = compile_and_load(self.path, self.spec, sdk)
         self.vocab_size: int = AutoConfig.from_pretrained(self.path).vocab_size
+        self.weight_bytes = 0  # the NeuronCores compute; torch's CPU threads only glue
         self.capacity = config.max_seq_len
         super().__init__(self.spec.batch_size)
 
