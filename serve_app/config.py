@@ -21,7 +21,7 @@ MAX_SPECULATIVE_TOKENS = 16  # the largest block size k a config or a request ma
 # the batch. The fastest on mixed prompts in benchmarks/bench_draft.py, greedy and sampled, one
 # request at a time and 2 or 4 together; as fast as plain decoding at 8 (docs/speculation.md).
 EMBEDDED_SPECULATION = {"draft": "smollm2-135m-instruct-eagle", "ngram_first": True, "draft_stop_below": 0.5,
-                        "k_policy": "cost_model"}
+                        "k_policy": "adaptive"}
 
 
 def auto_speculation(model: str) -> dict:
@@ -67,9 +67,13 @@ class SpeculationConfig(SpeculationBase):
     """How this project's engine drafts (``engine.kind: disaggregated``): the shared keys, the k
     policy, overlapped rounds and the draft's options."""
 
-    k_policy: Literal["cost_model", "fixed"] = Field(
-        "cost_model",
-        description="How each round's k is chosen per sequence: 'cost_model' (speculation.policy): 0 to "
+    k_policy: Literal["adaptive", "cost_model", "fixed"] = Field(
+        "adaptive",
+        description="How each round's k is chosen: 'adaptive' (speculation.realized): the k, 0 to the "
+        "request's, of the most tokens per second as rounds realize them, served, per batch size: acceptance "
+        "measured per draft position, and each k's round time as served (hops, catch-up, pipelining "
+        "included), the cost model's prediction calibrated by it; it tries the k next to its choice once in "
+        "8 rounds at most, when that k's measurement has faded; 'cost_model' (speculation.policy): 0 to "
         "the request's k, for the most expected tokens per second from the acceptance measured per draft "
         "position and the draft, verify and overhead costs measured online, so speculation turns itself off "
         "where it cannot pay (a large batch on a CPU, a slow draft, low acceptance); 'fixed': always the "

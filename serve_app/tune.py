@@ -7,12 +7,14 @@ In-process, on the config's target and draft (torch backend), it
    fitting the cost lines the policy learns online from the same rounds: a target round against the
    tokens it verifies, a draft call against its steps, the engine's overhead between rounds;
 3. projects tok/s against k from (1) and (2), sequential and with the draft overlapped behind the
-   verify (a round then costs the longer of the two), recommends k per batch size and overlap on/off;
+   verify (a round then costs the longer of the two), recommends k per batch size and overlap on/off,
+   and runs the config's own k policy at each batch size: its tok/s against the best fixed k, the k it
+   chose and what each k realized under it;
 4. projects another machine from per-component costs you give (default: the Trainium2 reference
    pair, see ``Projection.trn2_reference``) with the acceptance measured here, or one you give.
 
 It prints a table, writes ``tune.json`` and, with matplotlib installed (``pip install -e ".[bench]"``;
-without it, one line says so), ``acceptance.png``, ``throughput.png`` and ``costs.png``. A draft
+without it, one line says so), ``acceptance.png``, ``throughput.png``, ``costs.png`` and ``policy.png``. A draft
 position the target never looked at (every block rejected before it) is reported as never reached
 (null in the JSON) and counts as never accepted in the projections.
 """
@@ -21,14 +23,16 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from serve_app.config import EngineConfig
 from serve_app.engine.engine import Engine
 from serve_app.engine.request import GenerationParams
-from serve_app.speculation.policy import Acceptance, LinearCost
+from serve_app.speculation.arms import bucket
+from serve_app.speculation.policy import Acceptance, KPolicy, LinearCost
+from serve_app.speculation.realized import policy_for
 
 OVERLAP_MIN_DRAFT_SHARE = 0.2  # below this the draft's time is not worth hiding (issue 14's bar)
 
@@ -71,6 +75,9 @@ class TuneReport:
     overlap: dict[int, bool] = field(default_factory=dict)
     costs: dict = field(default_factory=dict)
     projection: dict = field(default_factory=dict)
+    # the config's own k policy at each batch: its tok/s, the k its last round drafted, and what each k
+    # realized under it (tokens per second; None: not tried lately)
+    policy: dict[int, dict] = field(default_factory=dict)
 
 
 def expected_tokens(alphas: Sequence[float], k: int) -> float:
@@ -92,8 +99,11 @@ def round_rates(alphas: Sequence[float], batch: int, k: int, verify: LinearCost,
 
 
 class Planner:
-    def __init__(self, engine: Engine, prompts: Sequence[Sequence[int]], max_k: int, max_tokens: int = 64):
+    def __init__(self, engine: Engine, prompts: Sequence[Sequence[int]], max_k: int, max_tokens: int = 64,
+                 policy: Callable[[], KPolicy] | None = None):
+        """``policy``: makes the config's own k policy, run after the fixed k's at each batch."""
         self.engine, self.prompts, self.max_k, self.max_tokens = engine, list(prompts), max_k, max_tokens
+        self.policy = policy
         self.acceptance = Acceptance(decay=1.0)
         self.verify = LinearCost(0.0, 0.0, decay=1.0, stiffness=0.0)
         self.draft: dict[str, LinearCost] = {}
@@ -134,8 +144,16 @@ class Planner:
              projection_alphas: Sequence[float] | None = None) -> TuneReport:
         self.run(self.max_k, 1)  # warm-up, and acceptance at the largest k
         report = TuneReport(self.max_k, list(batches), [])
+        fixed = self.engine.policy
         for b in batches:
             report.measured[b] = {k: round(self.run(k, b), 2) for k in range(self.max_k + 1)}
+            if self.policy is not None:
+                self.engine.policy = self.policy()
+                rate = self.run(self.max_k, b)
+                realized = self.engine.policy.snapshot().get("realized", {}).get(str(bucket(b)), {})
+                report.policy[b] = {"tok_s": round(rate, 2), "k": realized.get("k"),
+                                    "realized_tok_s": realized.get("tokens_per_second")}
+                self.engine.policy = fixed
         measured = [self.acceptance.measured(j) for j in range(len(self.acceptance.reached))]
         report.acceptance_per_position = [None if a is None else round(a, 4) for a in measured]
         alphas = [0.0 if a is None else a for a in measured]  # never reached: counted as never accepted
@@ -183,6 +201,11 @@ def format_report(r: TuneReport) -> str:
         for k in range(r.max_k + 1):
             lines.append(f"{k} | {r.measured[b][k]} | {r.expected[b][k]} | {r.expected_overlapped[b][k]} | "
                          f"{r.draft_share[b][k]:.0%}")
+        if b in r.policy:
+            p = r.policy[b]
+            best = max(r.measured[b].values())
+            lines.append(f"the config's k policy: {p['tok_s']} tok/s ({p['tok_s'] / best:.2f}x the best fixed k), "
+                         f"last drafted k = {p['k']}; realized per k: {p['realized_tok_s']}")
         lines.append(f"recommended: num_speculative_tokens {r.recommended_k[b]}, overlap "
                      f"{'on' if r.overlap[b] else 'off'} (the draft is {r.draft_share[b][r.recommended_k[b]]:.0%} "
                      f"of a round; overlap pays from {OVERLAP_MIN_DRAFT_SHARE:.0%} with the draft on cores of its own)")
@@ -198,7 +221,7 @@ def format_report(r: TuneReport) -> str:
     return "\n".join(lines)
 
 
-PLOTS = ("acceptance.png", "throughput.png", "costs.png")
+PLOTS = ("acceptance.png", "throughput.png", "costs.png", "policy.png")
 NO_PLOTS = f'no plots: pip install -e ".[bench]" adds matplotlib, for {", ".join(PLOTS)}'
 
 
@@ -244,6 +267,19 @@ def write_report(r: TuneReport, planner: Planner, out: Path, say=print) -> list[
         ax.set(xlabel="tokens verified" if name == "verify" else "draft steps", ylabel="ms", title=f"{name} call")
     fig.tight_layout()
     fig.savefig(out / "costs.png")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for b, p in r.policy.items():
+        rates = p["realized_tok_s"] or []
+        ks = [k for k, v in enumerate(rates) if v is not None]
+        line, = ax.plot(ks, [rates[k] for k in ks], "o-", label=f"batch {b}: realized under the policy")
+        if p["k"] is not None and p["k"] < len(rates) and rates[p["k"]] is not None:
+            ax.plot([p["k"]], [rates[p["k"]]], "*", ms=14, color=line.get_color(), label=f"batch {b}: its choice")
+        ax.plot(list(r.measured[b]), list(r.measured[b].values()), ":", color=line.get_color(),
+                label=f"batch {b}: fixed k")
+    ax.set(xlabel="k", ylabel="tok/s", title="the k policy: what each k realized, what it chose")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "policy.png")
     plt.close("all")
     return written + [out / name for name in PLOTS]
 
@@ -257,6 +293,7 @@ def tune(config: EngineConfig, prompts: Sequence[str], *, chat: bool, max_tokens
         "max_batch_size": max(max(batches), config.max_batch_size),
         "speculation": config.speculation.model_copy(update={"k_policy": "fixed", "draft_token_budget": None}),
     })
+    own = config.speculation.model_copy(update={"draft_token_budget": None})
     max_k = engine_cfg.speculation.num_speculative_tokens
     if engine_cfg.speculation.method == "none" or max_k == 0:
         raise ValueError("the config does not speculate (speculation.draft: none or num_speculative_tokens: 0)")
@@ -265,7 +302,7 @@ def tune(config: EngineConfig, prompts: Sequence[str], *, chat: bool, max_tokens
     tok = engine.tokenizer
     ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
                                    return_dict=False) if chat else tok.encode(p) for p in prompts]
-    planner = Planner(engine, ids, max_k, max_tokens)
+    planner = Planner(engine, ids, max_k, max_tokens, lambda: policy_for(own))
     say(f"measuring k = 0..{max_k} at batch {list(batches)} on {len(ids)} prompts x {max_tokens} tokens")
     report = planner.plan(batches, projection, projection_alphas)
     say(format_report(report))

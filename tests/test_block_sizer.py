@@ -10,7 +10,8 @@ import torch
 from serve_app.engine.block_sizer import BlockSizer
 from serve_app.engine.request import GenerationParams, Request
 from serve_app.engine.round_timer import RoundTimer
-from serve_app.speculation.policy import GUARD_ROUNDS, BlockSizePolicy, FixedPolicy, RoundCosts, Row
+from serve_app.speculation.policy import BlockSizePolicy, FixedPolicy, RoundCosts, Row
+from serve_app.speculation.realized import RealizedPolicy
 from serve_app.speculation.types import SamplingParams, VerifyResult
 
 
@@ -46,13 +47,14 @@ def test_a_seeded_row_keeps_its_cap_the_others_get_the_policys_choice():
     assert sizer.choose([request(0, 3), request(1, 3, seed=7)], [16, 16]) == [0, 3]
 
 
-def seasoned_policy() -> BlockSizePolicy:
-    """A policy whose guard judges batch 1: speculation realized less than plain decoding there."""
-    policy = BlockSizePolicy(max_k=2, prior_alpha=0.9, verify_cost=(0.015, 0.0001), draft_cost=(0.0005, 0.0001))
-    for i in range(3 * GUARD_ROUNDS):
+def seasoned_policy() -> RealizedPolicy:
+    """The default policy after rounds at batch 1 in which speculation realized less than plain decoding."""
+    policy = RealizedPolicy(BlockSizePolicy(max_k=2, prior_alpha=0.9, verify_cost=(0.015, 0.0001),
+                                            draft_cost=(0.0005, 0.0001)))
+    for i in range(24):
         spec = i % 2 == 0
-        policy.record_costs(RoundCosts(3 if spec else 1, 0.015, {}, None, batch=1, interval_s=0.05,
-                                       gained=3 if spec else 1))
+        policy.record_costs(RoundCosts(3 if spec else 1, 0.015, {"draft": (2, 0.001)} if spec else {}, None, batch=1,
+                                       interval_s=0.05, gained=3 if spec else 1, k=2 if spec else 0))
     return policy
 
 
@@ -68,16 +70,16 @@ def test_the_policys_choice_has_no_side_effect():
     assert pickle.dumps(policy) == before
 
 
-def test_the_guards_clock_advances_once_per_real_round():
+def test_the_policys_clock_advances_once_per_real_round():
     policy = seasoned_policy()
-    held = policy.held[1]
+    held = policy.realized.buckets[1].rounds
     sizer = BlockSizer("draft", 2, None, policy)
     result = VerifyResult(("a",), torch.tensor([2]), torch.tensor([1]), torch.tensor([[5, 6, -1]]))
     for _ in range(3):
         sizer.choose([request(0, 2)], [16])
         sizer.choose([request(0, 2)], [16])  # asked twice in a round (pipelined plain rounds do)
         sizer.on_round(result, RoundCosts(3, 0.015, {}, None, batch=1, interval_s=0.05, gained=2))
-    assert policy.held[1] == held + 3
+    assert policy.realized.buckets[1].rounds == held + 3
 
 
 def test_the_round_timer_measures_result_to_result_and_never_across_an_admission():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -91,6 +92,13 @@ def test_tune_measures_and_recommends(tiny_models, tmp_path):
     assert set(report["projection"]["by_k"]) == {"0", "1", "2"}
     assert report["projection"]["by_k"]["2"]["overlapped_x_plain"] > 1.0  # everything accepted pays there
     assert "recommended: num_speculative_tokens" in proc.stdout
+    for b in ("1", "2"):  # the config's own (default) k policy, run after the fixed k's
+        policy = report["policy"][b]
+        assert policy["tok_s"] > 0 and policy["k"] in (0, 1, 2)
+        assert any(rate is not None and rate > 0 for rate in policy["realized_tok_s"])
+    assert "the config's k policy:" in proc.stdout
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "out" / "policy.png").exists()
 
     bad = subprocess.run([sys.executable, "-m", "serve_app", "tune", str(tmp_path / "missing.yaml")],
                          capture_output=True, text=True, timeout=120)

@@ -120,13 +120,17 @@ def test_prometheus_metrics(server, metrics_port):
         "ray_serve_app_spec_decode_num_accepted_tokens", "ray_serve_app_spec_decode_num_accepted_tokens_per_pos",
         "ray_serve_app_spec_decode_round_latency_seconds_count", "ray_serve_app_time_to_first_token_seconds_count",
         "ray_serve_app_inter_token_latency_seconds_count", "ray_serve_app_draft_worker_available",
-        "ray_serve_app_num_requests_running",
+        "ray_serve_app_num_requests_running", "ray_serve_app_spec_decode_policy_k",
+        "ray_serve_app_spec_decode_realized_tokens_per_second",
     ]
     text = wait_for(lambda: scraped_when(metrics_port, lambda t: all(n in t for n in names)), 60)
     assert metric_value(text, "ray_serve_app_spec_decode_num_draft_tokens") >= metric_value(
         text, "ray_serve_app_spec_decode_num_accepted_tokens")
     assert 'position="0"' in text
     assert metric_value(text, "ray_serve_app_draft_worker_available") == 1
+    realized = [line for line in text.splitlines() if line.startswith("ray_serve_app_spec_decode_realized_tokens")]
+    # one request at a time at this server's fixed k = 3: what those rounds realized, in tokens per second
+    assert any('batch="1"' in line and 'k="3"' in line and float(line.rsplit(" ", 1)[1]) > 0 for line in realized)
 
 
 def test_an_eagle_head_reads_the_target_features_across_workers(cluster, tiny_models, tiny_eagle):

@@ -14,9 +14,9 @@ from serve_app.engine.block_sizer import BlockSizer
 from serve_app.engine.engine import Engine, RoundSink
 from serve_app.engine.plan import EnginePlan, plan_engine
 from serve_app.models.runner import ModelRunner
-from serve_app.speculation.policy import policy_for
 from serve_app.speculation.proposers.base import Proposer
 from serve_app.speculation.proposers.registry import draft_proposer, proposers_for
+from serve_app.speculation.realized import policy_for
 from serve_app.speculation.verifier import TargetVerifier, Verifier
 
 

@@ -39,7 +39,8 @@ class RoundTimer:
         tokens = len(result.seq_ids) + int(result.num_draft_tokens.sum())
         interval = None if previous is None or admitted else self.last_end - previous
         kept = len(result.seq_ids) + int(result.num_accepted.sum())
+        k = max((steps for steps, _ in self.draft_s.values()), default=max(result.num_draft_tokens.tolist(), default=0))
         costs = RoundCosts(tokens, self.last_end - verify_start, self.draft_s, overhead, len(result.seq_ids),
-                           interval, kept)
+                           interval, kept, k)
         self.draft_s = {}
         return self.last_end - start, costs

@@ -116,7 +116,8 @@ class EngineLoop:
             self._drain(block=not self.engine.has_work)
             if time.perf_counter() - refreshed > GAUGE_REFRESH_S:
                 refreshed = time.perf_counter()
-                self.metrics.refresh(len(self.engine.running), len(self.engine.waiting))
+                self.metrics.refresh(len(self.engine.running), len(self.engine.waiting),
+                                     self.engine.policy.snapshot().get("realized"))
             if not self.engine.has_work:
                 continue
             try:

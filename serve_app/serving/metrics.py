@@ -16,6 +16,9 @@ Names follow vLLM's where one exists (``vllm:spec_decode_num_drafts`` ->
 - ``serve_app_target_worker_restarts`` (outcome: resumed / failed) and
   ``serve_app_target_worker_resume_seconds``: a lost target worker replaced, its requests resumed
 - ``serve_app_num_requests_running`` / ``serve_app_num_requests_waiting`` (vLLM's names)
+- ``serve_app_spec_decode_policy_k`` (batch): the k the last round at that batch bucket drafted (1, 2,
+  4, 8, 16: ``speculation.arms.bucket``), and ``serve_app_spec_decode_realized_tokens_per_second``
+  (batch, k): what each k realized there lately, result to result (only k's tried lately)
 
 Gauges vanish from Ray's exporter a few seconds after their last write, so the engine loop calls
 ``refresh`` about once a second.
@@ -44,8 +47,8 @@ class ReplicaMetrics:
     def on_target_restart(self, resumed: bool, seconds: float) -> None:
         pass
 
-    def refresh(self, running: int, waiting: int) -> None:
-        pass
+    def refresh(self, running: int, waiting: int, realized: dict | None = None) -> None:
+        """Gauges, about once a second; ``realized``: the k policy's ``RealizedRates.snapshot()``."""
 
     def on_admitted(self, prompt_tokens: int) -> None:
         pass
@@ -91,6 +94,12 @@ class ServingMetrics(ReplicaMetrics):
             "serve_app_draft_worker_available", "1 while the replica's draft worker serves, else 0.", keys)
         self.running = metrics.Gauge("serve_app_num_requests_running", "Requests in the running batch.", keys)
         self.waiting = metrics.Gauge("serve_app_num_requests_waiting", "Requests waiting for a slot.", keys)
+        self.policy_k = metrics.Gauge(
+            "serve_app_spec_decode_policy_k", "The k the last round at this batch bucket drafted (0: plain).",
+            keys + ("batch",))
+        self.realized_rate = metrics.Gauge(
+            "serve_app_spec_decode_realized_tokens_per_second",
+            "Tokens per second that rounds drafting k realized lately at this batch bucket.", keys + ("batch", "k"))
         self._draft_available: int | None = None
         self.draft_failures = metrics.Counter(
             "serve_app_draft_worker_failures", "Draft worker failures (the replica fell back or restarted).", keys)
@@ -144,8 +153,13 @@ class ServingMetrics(ReplicaMetrics):
         if not available:
             self.draft_failures.inc(1, self.tags)
 
-    def refresh(self, running: int, waiting: int) -> None:
+    def refresh(self, running: int, waiting: int, realized: dict | None = None) -> None:
         self.running.set(running, self.tags)
         self.waiting.set(waiting, self.tags)
+        for batch, arms in (realized or {}).items():
+            self.policy_k.set(arms["k"], {**self.tags, "batch": batch})
+            for k, rate in enumerate(arms["tokens_per_second"]):
+                if rate is not None:
+                    self.realized_rate.set(rate, {**self.tags, "batch": batch, "k": str(k)})
         if self._draft_available is not None:
             self.draft_available.set(self._draft_available, self.tags)

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from serve_app.config import SpeculationConfig
+from serve_app.speculation.arms import RealizedRates
 from serve_app.speculation.types import VerifyResult
 
 
@@ -105,6 +105,7 @@ class RoundCosts:
     batch: int = 0  # sequences in the round
     interval_s: float | None = None  # from the last round's result to this one's, all included (None: unknown)
     gained: int = 0  # tokens the round added over the batch (accepted drafts + one each)
+    k: int = 0  # the most draft tokens any sequence was asked for (0: a plain round)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,11 @@ class KPolicy(Protocol):
 
 
 class FixedPolicy:
-    """``k_policy: fixed`` (and nothing to draft): every row drafts its cap."""
+    """``k_policy: fixed`` (and nothing to draft): every row drafts its cap. It still reports what each
+    k realized (``speculation.arms``)."""
+
+    def __init__(self) -> None:
+        self.realized = RealizedRates()
 
     def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]:
         return [r.cap for r in rows]
@@ -142,25 +147,19 @@ class FixedPolicy:
         pass
 
     def record_costs(self, costs: RoundCosts) -> None:
-        pass
+        self.realized.record(costs.k, costs.batch, costs.tokens, costs.gained, costs.interval_s)
 
     def forget(self, seq_id: str) -> None:
         pass
 
     def snapshot(self) -> dict:
-        return {}
-
-
-GUARD_ROUNDS = 8  # realized rounds of each kind, at a batch size, before the guard judges it
-EXPLORE_EVERY, EXPLORE_FOR = 100, 4  # while the guard holds speculation off: rounds that try it anyway
+        return {"realized": self.realized.snapshot()}
 
 
 class BlockSizePolicy:
-    """The guard: the model above can be wrong where costs it does not see (a draft catching up after
-    plain rounds, the pipeline of plain rounds draining) decide. So the realized tokens per second of
-    speculative and of plain rounds are tracked per batch size, result to result; where speculation
-    realizes less than plain decoding, plain rounds are chosen, and a few rounds in a hundred try the
-    model's choice again to see whether that still holds."""
+    """The cost model (``k_policy: cost_model``): k per row from the acceptance and cost lines above.
+    It is blind to costs its lines do not see (hops, a draft catching up, a pipeline draining):
+    ``speculation.realized.RealizedPolicy`` judges its predictions by what rounds realize."""
 
     def __init__(self, max_k: int, prior_alpha: float = 0.6, prior_weight: float = 4.0,
                  seq_decay: float = 0.9, global_decay: float = 0.99,
@@ -182,8 +181,6 @@ class BlockSizePolicy:
         # alone would make plain decoding look cheaper than it is and speculation flap on and off).
         self.plain = LinearCost(*verify_cost)
         self.plain_rounds = 0
-        self.realized: dict[tuple[bool, int], tuple[float, int]] = {}  # (speculative, batch) -> (EMA tok/s, rounds)
-        self.held: dict[int, int] = {}  # rounds at a batch size since the guard could judge it (the guard's clock)
 
     # ---- learning ----------------------------------------------------------------------------
     def observe(self, result: VerifyResult) -> None:
@@ -203,15 +200,7 @@ class BlockSizePolicy:
             self.engine_wide.record(drafted, accepted)
 
     def record_costs(self, costs: RoundCosts) -> None:
-        """One real round's costs: the lines, the realized rates, and the guard's clock (advanced here,
-        once a round, never by ``choose``)."""
-        if self.realized.get((True, costs.batch), (0.0, 0))[1] >= GUARD_ROUNDS:
-            self.held[costs.batch] = self.held.get(costs.batch, 0) + 1
-        if costs.interval_s and costs.gained:
-            key = (costs.tokens > costs.batch, costs.batch)
-            rate, n = self.realized.get(key, (0.0, 0))
-            now = costs.gained / costs.interval_s
-            self.realized[key] = (now if n == 0 else 0.9 * rate + 0.1 * now, n + 1)
+        """One real round's costs: the lines."""
         if costs.tokens == costs.batch:  # a plain round
             if costs.interval_s is not None:
                 self.plain.add(costs.batch, costs.interval_s)
@@ -241,46 +230,15 @@ class BlockSizePolicy:
         return out
 
     def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]:
-        """k for each row, to maximise expected tokens per second of this round (within the guard).
-        A pure query: the round it chooses for is number ``held + 1`` of the guard's clock."""
-        ks = self._model_choice(rows, plain_overhead_hidden)
-        batch = len(rows)
-        if not any(ks):
-            return ks
-        spec_seen = self.realized.get((True, batch), (0.0, 0))[1]
-        if spec_seen < GUARD_ROUNDS:
-            return ks
-        n = self.held.get(batch, 0) + 1
-        if self.realized.get((False, batch), (0.0, 0))[1] < GUARD_ROUNDS and n % EXPLORE_EVERY < GUARD_ROUNDS:
-            return [0] * batch  # measure plain rounds at this batch size too, to judge by
-        if self.speculation_loses(batch) and n % EXPLORE_EVERY >= EXPLORE_FOR:
-            return [0] * batch
-        return ks
-
-    def speculation_loses(self, batch: int) -> bool:
-        spec, plain = self.realized.get((True, batch)), self.realized.get((False, batch))
-        if spec is None or plain is None or min(spec[1], plain[1]) < GUARD_ROUNDS:
-            return False
-        return spec[0] < plain[0]
-
-    def _model_choice(self, rows: Sequence[Row], plain_overhead_hidden: bool) -> list[int]:
+        """k for each row, to maximise expected tokens per second of this round. A pure query."""
         if not rows:
             return []
         batch = len(rows)
-        plain_time = (self.plain(batch) if self.plain_rounds >= 8 else
-                      self.verify(batch) + (0.0 if plain_overhead_hidden else self.overhead))
-        best, best_rate = [0] * batch, batch / max(plain_time, 1e-9)
+        best, best_rate = [0] * batch, batch / max(self.seconds(batch, batch, {}, plain_overhead_hidden), 1e-9)
         top = min(self.max_k, max(r.cap for r in rows))
         if top <= 0:
             return best
-        # gain[i][j]: P(the row's first j + 1 drafts are all accepted), non-increasing in j
-        gains = []
-        for r in rows:
-            g, p = [], 1.0
-            for a in self.alphas(r.seq_id, min(r.cap, top)):
-                p *= a
-                g.append(p)
-            gains.append(g)
+        gains = self.gains(rows, top)
         for longest in range(1, top + 1):
             candidates = sorted(((g[j], i) for i, g in enumerate(gains) for j in range(min(longest, len(g)))),
                                 reverse=True)
@@ -292,12 +250,30 @@ class BlockSizePolicy:
                 gained += gain
                 method = rows[i].method
                 steps[method] = max(steps[method], ks[i])
-                seconds = (self.overhead + self.verify(tokens)
-                           + sum(self._draft_cost(m)(n) for m, n in steps.items() if n))
-                rate = (batch + gained) / max(seconds, 1e-9)
+                rate = (batch + gained) / max(self.seconds(batch, tokens, steps, plain_overhead_hidden), 1e-9)
                 if rate > best_rate:
                     best, best_rate = list(ks), rate
         return best
+
+    def gains(self, rows: Sequence[Row], top: int) -> list[list[float]]:
+        """``gains[i][j]``: P(row i's first j + 1 drafts are all accepted), non-increasing in j; j < its cap."""
+        out = []
+        for r in rows:
+            g, p = [], 1.0
+            for a in self.alphas(r.seq_id, min(r.cap, top)):
+                p *= a
+                g.append(p)
+            out.append(g)
+        return out
+
+    def seconds(self, batch: float, tokens: float, steps: Mapping[str, int], plain_overhead_hidden: bool = False
+                ) -> float:
+        """A round's predicted time: the target verifying ``tokens``, each proposer's longest block
+        ``steps[method]``, the engine's overhead; a plain round (tokens == batch) as plain rounds took."""
+        if tokens == batch:
+            return self.plain(batch) if self.plain_rounds >= 8 else \
+                self.verify(batch) + (0.0 if plain_overhead_hidden else self.overhead)
+        return self.overhead + self.verify(tokens) + sum(self._draft_cost(m)(n) for m, n in steps.items() if n)
 
     def snapshot(self) -> dict:
         """What the policy sees now (for metrics, logs and the planner)."""
@@ -309,11 +285,3 @@ class BlockSizePolicy:
             "overhead_s": round(self.overhead, 6),
             "plain_round_s": {"fixed": round(self.plain.a, 6), "per_sequence": round(self.plain.b, 6)},
         }
-
-
-def policy_for(spec: SpeculationConfig) -> KPolicy:
-    """The engine's k policy: the cost model with its guard, or every row its cap when k is fixed or
-    nothing drafts."""
-    if spec.k_policy == "fixed" or spec.method == "none" or spec.num_speculative_tokens == 0:
-        return FixedPolicy()
-    return BlockSizePolicy(spec.num_speculative_tokens)

@@ -1,0 +1,88 @@
+"""What each k realized as served, per batch size: the measurement under the default k policy
+(``speculation.realized``) and what ``/metrics`` and ``tune`` report for any policy.
+
+A round is filed under its batch bucket (1, 2, 4, 8, 16, ...: rounds of 3 or 4 sequences share one) and
+its arm: the most draft tokens it asked of a sequence, 0 being plain decoding. Per arm, decayed sums
+(``DECAY`` a round of the bucket) of its rounds, their sequences, verified tokens, tokens gained,
+seconds (result to result, everything included) and the tokens a model expected them to gain.
+"""
+
+from __future__ import annotations
+
+DECAY = 0.97  # per round of a bucket: an arm's sums follow about its last 30 rounds
+STALE = 0.5  # an arm's weight below this (about 23 rounds after one was played) is stale
+
+
+def bucket(batch: int) -> int:
+    """1, 2, then the next power of two: 3-4 -> 4, 5-8 -> 8, 9-16 -> 16."""
+    return batch if batch <= 2 else 1 << (batch - 1).bit_length()
+
+
+class ArmRounds:
+    """One bucket's arms."""
+
+    FIELDS = ("weight", "batch", "tokens", "gained", "seconds", "expected")
+
+    def __init__(self, arms: int = 1):
+        self.sums = {f: [0.0] * arms for f in self.FIELDS}
+        self.rounds = 0
+
+    def add(self, arm: int, batch: int, tokens: int, gained: int, seconds: float | None, expected: float) -> None:
+        self.rounds += 1
+        for values in self.sums.values():
+            values.extend([0.0] * (arm + 1 - len(values)))
+            for a in range(len(values)):
+                values[a] *= DECAY
+        if seconds and expected > 0:
+            for f, v in zip(self.FIELDS, (1.0, batch, tokens, gained, seconds, expected), strict=True):
+                self.sums[f][arm] += v
+
+    def stale(self, arm: int, share: float = 1.0) -> bool:
+        """Whether the arm's rounds have faded below ``STALE`` × ``share`` (an arm predicted at a share
+        r of the leader's rate is retried after about ln(r²) / ln(DECAY) more rounds than one level with it)."""
+        return arm >= len(self.sums["weight"]) or self.sums["weight"][arm] < STALE * share
+
+    def acceptance(self) -> float:
+        """Drafts accepted over what the model expected, over every drafting arm (its error is the same
+        at every k: the acceptance it reads); 1 before any."""
+        batch = sum(self.sums["batch"][1:])
+        expected = sum(self.sums["expected"][1:]) - batch
+        return (sum(self.sums["gained"][1:]) - batch) / expected if expected > 0 else 1.0
+
+    def tokens_per_second(self, arm: int) -> float | None:
+        """What the arm's rounds realized lately, or None where it is stale."""
+        return None if self.stale(arm) else self.sums["gained"][arm] / self.sums["seconds"][arm]
+
+    def nearest(self, arm: int) -> int | None:
+        """The measured arm nearest this one (the smaller on a tie), None before any round."""
+        measured = [a for a, w in enumerate(self.sums["weight"]) if w > 0]
+        return min(measured, key=lambda m: (abs(m - arm), m)) if measured else None
+
+    def mean(self, field: str, arm: int) -> float:
+        return self.sums[field][arm] / self.sums["weight"][arm]
+
+
+class RealizedRates:
+    """Every bucket's arms, and the arm each bucket's last round played."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, ArmRounds] = {}
+        self.chosen: dict[int, int] = {}
+
+    def record(self, k: int, batch: int, tokens: int, gained: int, seconds: float | None,
+               expected: float | None = None) -> None:
+        """One round; ``expected``: the tokens a model expected it to gain (default: what it gained)."""
+        if batch > 0:
+            b = bucket(batch)
+            self.buckets.setdefault(b, ArmRounds()).add(k, batch, tokens, gained, seconds,
+                                                       gained if expected is None else expected)
+            self.chosen[b] = k
+
+    def snapshot(self) -> dict:
+        """Per batch bucket: the k its last round played, what each k realized lately (tokens per
+        second; None: stale) and over how many rounds (decayed)."""
+        return {str(b): {"k": self.chosen.get(b, 0),
+                         "tokens_per_second": [None if (r := c.tokens_per_second(a)) is None else round(r, 4)
+                                               for a in range(len(c.sums["weight"]))],
+                         "rounds": [round(w, 2) for w in c.sums["weight"]]}
+                for b, c in sorted(self.buckets.items())}

@@ -1,0 +1,121 @@
+"""The default k policy (``k_policy: adaptive``): k judged by the throughput each choice realizes.
+
+The cost model (``speculation.policy.BlockSizePolicy``) predicts a round's time from the lines it
+fits to the target's and the draft's calls. It cannot see what lies between them: hops, a draft
+catching up after plain rounds, plain rounds pipelined while speculative ones are not. Served, it was
+wrong both ways (issue 26: 0.80-0.93x plain decoding on the embedded model; a fixed k = 4 beating it on
+the real pair). So each round is also timed as served, result to result, and filed under its batch
+size (1, 2, 4, 8, 16, ...: rounds of 3 or 4 sequences share a bucket) and its arm: the most draft
+tokens it asked of a sequence, 0 being plain decoding.
+
+An arm's rate is predicted as (expected tokens) / (expected seconds):
+- tokens from acceptance measured per draft position, per sequence (the model's), which every
+  speculative round measures whatever its arm;
+- seconds from the model's prediction for that batch and arm times the arm's **calibration**: what
+  its rounds realized over what the model predicted for them, decayed (``DECAY`` a round of the
+  bucket) so it follows changes in load and content. An arm not yet realized takes the calibration of
+  the nearest arm that was: the model's shape, the realized level.
+
+Each round plays the arm of the highest predicted rate (the leader), the smaller k on a tie. Past
+k = 1 the rate against k is unimodal (each draft token adds less than the one before, and costs about
+the same), so exploration looks next to the leader, as OSUB does (Combes and Proutière, ICML 2014),
+and at plain decoding, which a fixed cost of every draft call (the hop) can put apart from the rest:
+once in ``EXPLORE_EVERY`` rounds of a bucket, one of those arms whose measurement has faded below
+``STALE`` rounds is played once. That bounds exploration to 1 round in ``EXPLORE_EVERY``, spent on the
+arms nearest the best, whose rates are nearest it. Acceptance that collapses makes every drafting arm
+predict less at once and plain decoding leads; plain rounds let the measured acceptance fade back to
+its prior and the neighbour k = 1 gets tried, so speculation comes back when it pays again.
+
+``choose`` is a pure query; the clock of each bucket advances in ``record_costs``, once a real round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from serve_app.config import SpeculationConfig
+from serve_app.speculation.arms import ArmRounds, RealizedRates, bucket
+from serve_app.speculation.policy import BlockSizePolicy, FixedPolicy, KPolicy, RoundCosts, Row
+from serve_app.speculation.types import VerifyResult
+
+EXPLORE_EVERY = 8  # at most one round in this many of a bucket tries a stale neighbour of the leader
+
+
+class RealizedPolicy:
+    def __init__(self, model: BlockSizePolicy):
+        self.model = model
+        self.max_k = model.max_k
+        self.realized = RealizedRates()
+        self.predicted_gain = 0.0  # of the round just observed, as the model expected it before the result
+
+    # ---- learning ----------------------------------------------------------------------------
+    def observe(self, result: VerifyResult) -> None:
+        """The round's outcome (before its costs): first what the model expected it to gain."""
+        rows = [Row(s, k, "") for s, k in zip(result.seq_ids, result.num_draft_tokens.tolist(), strict=True)]
+        self.predicted_gain = len(rows) + sum(sum(g) for g in self.model.gains(rows, self.max_k))
+        self.model.observe(result)
+
+    def record_costs(self, costs: RoundCosts) -> None:
+        self.realized.record(min(costs.k, self.max_k), costs.batch, costs.tokens, costs.gained, costs.interval_s,
+                             self.predicted_gain)
+        self.model.record_costs(costs)
+
+    def forget(self, seq_id: str) -> None:
+        self.model.forget(seq_id)
+
+    # ---- the choice --------------------------------------------------------------------------
+    def rates(self, rows: Sequence[Row]) -> list[float]:
+        """Predicted tokens per second of each arm 0..top for these rows (top: the largest cap): the
+        model's gain and seconds, each scaled by what the nearest measured arm realized against the
+        model (the seconds against the model as it is now, so its own learning does not linger). Plain
+        rounds pipelined or not: their realized seconds have it."""
+        top = min(self.max_k, max((r.cap for r in rows), default=0))
+        batch = len(rows)
+        calibration = self.realized.buckets.get(bucket(batch)) or ArmRounds()
+        gains = self.model.gains(rows, top)
+        methods = {r.method for r in rows}
+        acceptance = calibration.acceptance()
+        out = []
+        for arm in range(top + 1):
+            ks = [min(r.cap, arm) for r in rows]
+            steps = {m: max(k for r, k in zip(rows, ks, strict=True) if r.method == m) for m in methods}
+            gained = batch + sum(sum(g[:k]) for g, k in zip(gains, ks, strict=True))
+            seconds = self.model.seconds(batch, batch + sum(ks), steps)
+            m = calibration.nearest(arm)
+            if m is not None:
+                c = calibration
+                gained = batch + (gained - batch) * acceptance
+                then = self.model.seconds(c.mean("batch", m), c.mean("tokens", m), dict.fromkeys(methods, m))
+                seconds *= c.mean("seconds", m) / max(then, 1e-9)
+            out.append(gained / max(seconds, 1e-9))
+        return out
+
+    def arm(self, rows: Sequence[Row]) -> int:
+        rates = self.rates(rows)
+        leader = max(range(len(rates)), key=lambda a: (rates[a], -a))
+        calibration = self.realized.buckets.get(bucket(len(rows)))
+        if calibration is None or calibration.rounds % EXPLORE_EVERY:
+            return leader
+        stale = [a for a in {leader + 1, leader - 1, 0} if 0 <= a < len(rates) and a != leader
+                 and calibration.stale(a, (rates[a] / rates[leader]) ** 2)]
+        return max(stale, key=lambda a: rates[a]) if stale else leader
+
+    def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]:
+        """Every row drafts min(its cap, the arm). A pure query."""
+        if not rows:
+            return []
+        arm = self.arm(rows)
+        return [min(r.cap, arm) for r in rows]
+
+    def snapshot(self) -> dict:
+        """The model's view, and what each k realized per batch bucket (``RealizedRates.snapshot``)."""
+        return {**self.model.snapshot(), "realized": self.realized.snapshot()}
+
+
+def policy_for(spec: SpeculationConfig) -> KPolicy:
+    """The engine's k policy: k judged by what it realizes (the default), the cost model alone, or
+    every row its cap when k is fixed or nothing drafts."""
+    if spec.k_policy == "fixed" or spec.method == "none" or spec.num_speculative_tokens == 0:
+        return FixedPolicy()
+    model = BlockSizePolicy(spec.num_speculative_tokens)
+    return model if spec.k_policy == "cost_model" else RealizedPolicy(model)

@@ -1,0 +1,157 @@
+"""The default k policy on synthetic rounds with a deterministic clock: what it converges to when the
+cost model is wrong either way, how it leaves and resumes speculation, what its exploration costs."""
+
+from __future__ import annotations
+
+import pickle
+import random
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from serve_app.config import SpeculationConfig
+from serve_app.speculation.arms import bucket
+from serve_app.speculation.policy import BlockSizePolicy, FixedPolicy, RoundCosts, Row
+from serve_app.speculation.realized import EXPLORE_EVERY, RealizedPolicy, policy_for
+from serve_app.speculation.types import VerifyResult
+
+MAX_K = 4
+
+
+def true_seconds(hop: float, step: float) -> Callable[[int, int], float]:
+    """A round of ``batch`` rows at arm k as served: the target (20 ms + 1 ms a token), the engine
+    (3 ms), and for a speculative round a draft call (``hop`` + ``step`` a draft step)."""
+    return lambda batch, k: 0.023 + 0.001 * batch * (1 + k) + (hop + step * k if k else 0.0)
+
+
+def expected_rate(batch: int, k: int, alpha: float, seconds: Callable[[int, int], float]) -> float:
+    return batch * (1 + sum(alpha ** j for j in range(1, k + 1))) / seconds(batch, k)
+
+
+def best_rate(batch: int, alpha: float, seconds: Callable[[int, int], float]) -> float:
+    return max(expected_rate(batch, k, alpha, seconds) for k in range(MAX_K + 1))
+
+
+def play(policy, rounds: int, batch: int, alpha: Callable[[int], float], seconds: Callable[[int, int], float],
+         seen_step: float, seed: int = 0) -> list[tuple[int, int, float]]:
+    """Serve ``rounds`` rounds; the components the policy's model sees say a draft step costs
+    ``seen_step`` and hide the hop. Returns (arm, tokens gained, seconds) per round."""
+    rng = random.Random(seed)
+    ids = tuple(f"s{i}" for i in range(batch))
+    rows = [Row(s, MAX_K, "draft") for s in ids]
+    out = []
+    for t in range(rounds):
+        ks = policy.choose(rows)
+        accepted = []
+        for k in ks:
+            n = 0
+            while n < k and rng.random() < alpha(t):
+                n += 1
+            accepted.append(n)
+        arm = max(ks)
+        tokens = torch.full((batch, arm + 1), -1)
+        for i, n in enumerate(accepted):
+            tokens[i, : n + 1] = 7
+        policy.observe(VerifyResult(ids, torch.tensor(ks), torch.tensor(accepted), tokens))
+        real = seconds(batch, arm)
+        gained = batch + sum(accepted)
+        drafts = {"draft": (arm, 0.001 + seen_step * arm)} if arm else {}
+        policy.record_costs(RoundCosts(batch + sum(ks), 0.020 + 0.001 * (batch + sum(ks)), drafts, 0.003, batch,
+                                       real, gained, arm))
+        out.append((arm, gained, real))
+    return out
+
+
+def realized_rate(rounds: list[tuple[int, int, float]]) -> float:
+    return sum(g for _, g, _ in rounds) / sum(s for _, _, s in rounds)
+
+
+def fresh() -> RealizedPolicy:
+    return RealizedPolicy(BlockSizePolicy(MAX_K))
+
+
+def test_the_default_policy_is_the_realized_one_and_the_others_stay_choosable():
+    assert isinstance(policy_for(SpeculationConfig(draft="d")), RealizedPolicy)
+    assert type(policy_for(SpeculationConfig(draft="d", k_policy="cost_model"))) is BlockSizePolicy
+    assert isinstance(policy_for(SpeculationConfig(draft="d", k_policy="fixed")), FixedPolicy)
+
+
+def test_batches_share_buckets_by_powers_of_two():
+    assert [bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, 32]
+
+
+def test_it_converges_to_the_best_k_when_the_cost_model_thinks_drafting_too_dear():
+    """The model's draft line says 30 ms a step (it would decode plainly); drafting really costs 6."""
+    seconds = true_seconds(hop=0.002, step=0.006)
+    alpha = 0.8
+    model_alone = BlockSizePolicy(MAX_K)
+    play(model_alone, 100, 1, lambda t: alpha, seconds, seen_step=0.030)
+    assert model_alone.choose([Row("s0", MAX_K, "draft")]) == [0]  # the model alone would not draft
+    rounds = play(fresh(), 600, 1, lambda t: alpha, seconds, seen_step=0.030)
+    tail = rounds[-300:]
+    assert realized_rate(tail) >= 0.97 * best_rate(1, alpha, seconds)
+    assert Counter(a for a, _, _ in tail).most_common(1)[0][0] >= 2
+
+
+def test_it_converges_to_plain_decoding_when_the_cost_model_thinks_drafting_cheap():
+    """The model sees 6 ms draft steps, not the 40 ms hop of each draft call: drafting never pays."""
+    seconds = true_seconds(hop=0.040, step=0.006)
+    alpha = 0.8
+    assert max(range(MAX_K + 1), key=lambda k: expected_rate(1, k, alpha, seconds)) == 0
+    model_alone = BlockSizePolicy(MAX_K)
+    play(model_alone, 100, 1, lambda t: alpha, seconds, seen_step=0.006)
+    assert model_alone.choose([Row("s0", MAX_K, "draft")]) != [0]  # the model alone would draft
+    rounds = play(fresh(), 600, 1, lambda t: alpha, seconds, seen_step=0.006)
+    tail = rounds[-300:]
+    assert realized_rate(tail) >= 0.97 * best_rate(1, alpha, seconds)
+    assert sum(a == 0 for a, _, _ in tail) >= 0.85 * len(tail)
+
+
+def test_under_load_it_finds_plain_decoding_and_explores_at_most_one_round_in_eight():
+    """Batch 16 on a CPU: every draft token costs a verify slot for 16 rows."""
+    seconds = lambda batch, k: 0.020 + 0.004 * batch * (1 + k) + (0.010 + 0.006 * k if k else 0.0)  # noqa: E731
+    alpha = 0.6
+    rounds = play(fresh(), 400, 16, lambda t: alpha, seconds, seen_step=0.006)
+    tail = rounds[-300:]
+    assert realized_rate(tail) >= 0.97 * best_rate(16, alpha, seconds)
+    assert sum(a != 0 for a, _, _ in tail) <= len(tail) / EXPLORE_EVERY
+
+
+def test_it_leaves_speculation_when_acceptance_collapses_and_returns_when_it_recovers():
+    seconds = true_seconds(hop=0.002, step=0.006)
+    alpha = lambda t: 0.0 if 300 <= t < 700 else 0.85  # noqa: E731
+    rounds = play(fresh(), 1200, 1, alpha, seconds, seen_step=0.006)
+    before, collapsed, recovered = rounds[200:300], rounds[350:700], rounds[900:]
+    assert sum(a > 0 for a, _, _ in before) >= 0.9 * len(before)
+    assert sum(a > 0 for a, _, _ in collapsed) <= 0.1 * len(collapsed)
+    assert sum(a > 0 for a, _, _ in recovered) >= 0.9 * len(recovered)
+    assert realized_rate(collapsed) >= 0.95 * best_rate(1, 0.0, seconds)
+    assert realized_rate(recovered) >= 0.95 * best_rate(1, 0.85, seconds)
+
+
+def test_its_choice_has_no_side_effect_and_its_clock_advances_once_a_round():
+    policy = fresh()
+    seconds = true_seconds(hop=0.002, step=0.006)
+    play(policy, 2 * EXPLORE_EVERY + 3, 1, lambda t: 0.8, seconds, seen_step=0.006)
+    rows = [Row("s0", MAX_K, "draft")]
+    before = pickle.dumps(policy)
+    first = policy.choose(rows)
+    assert [policy.choose(rows) for _ in range(5)] == [first] * 5
+    assert pickle.dumps(policy) == before
+    clock = policy.realized.buckets[1].rounds
+    play(policy, 3, 1, lambda t: 0.8, seconds, seen_step=0.006)
+    assert policy.realized.buckets[1].rounds == clock + 3
+
+
+def test_each_row_keeps_its_cap_and_the_snapshot_reports_the_choice_and_realized_rates():
+    policy = fresh()
+    seconds = true_seconds(hop=0.002, step=0.006)
+    play(policy, 60, 1, lambda t: 0.8, seconds, seen_step=0.006)
+    arm = policy.choose([Row("a", MAX_K, "draft")])[0]
+    assert arm > 0
+    assert policy.choose([Row("a", MAX_K, "draft"), Row("b", 1, "draft")]) [1] <= 1
+    realized = policy.snapshot()["realized"]["1"]
+    assert realized["k"] in range(MAX_K + 1)
+    rate = realized["tokens_per_second"][realized["k"]]
+    assert rate is not None and 0.5 * best_rate(1, 0.8, seconds) < rate < 1.5 * best_rate(1, 0.8, seconds)
