@@ -8,13 +8,15 @@ the real pair). So each round is also timed as served, result to result, and fil
 size (1, 2, 4, 8, 16, ...: rounds of 3 or 4 sequences share a bucket) and its arm: the most draft
 tokens it asked of a sequence, 0 being plain decoding.
 
-An arm's rate is predicted as (expected tokens) / (expected seconds):
-- tokens from acceptance measured per draft position, per sequence (the model's), which every
-  speculative round measures whatever its arm;
-- seconds from the model's prediction for that batch and arm times the arm's **calibration**: what
-  its rounds realized over what the model predicted for them, decayed (``DECAY`` a round of the
-  bucket) so it follows changes in load and content. An arm not yet realized takes the calibration of
-  the nearest arm that was: the model's shape, the realized level.
+An arm's rate is predicted as (expected tokens) / (expected seconds), the cost model's numbers for
+those rows at that k, each scaled by what rounds realized (``speculation.arms``):
+- the drafts the model expects (from acceptance measured per draft position, per sequence) by the
+  drafts accepted over those expected, pooled over every drafting arm of the bucket: the model's error
+  there is the same at every k (its acceptance lags a change in content), and pooling keeps the noise
+  of a block's acceptance out of the comparison between k's;
+- its seconds by the nearest measured arm's realized seconds over what the model predicts for those
+  rounds now (so its own learning does not linger in the factor): the model's shape, the realized level.
+The sums decay (``arms.DECAY`` a round of the bucket), so they follow changes in load and content.
 
 Each round plays the arm of the highest predicted rate (the leader), the smaller k on a tie. Past
 k = 1 the rate against k is unimodal (each draft token adds less than the one before, and costs about
@@ -22,9 +24,10 @@ the same), so exploration looks next to the leader, as OSUB does (Combes and Pro
 and at plain decoding, which a fixed cost of every draft call (the hop) can put apart from the rest:
 once in ``EXPLORE_EVERY`` rounds of a bucket, one of those arms whose measurement has faded below
 ``STALE`` rounds is played once. That bounds exploration to 1 round in ``EXPLORE_EVERY``, spent on the
-arms nearest the best, whose rates are nearest it. Acceptance that collapses makes every drafting arm
-predict less at once and plain decoding leads; plain rounds let the measured acceptance fade back to
-its prior and the neighbour k = 1 gets tried, so speculation comes back when it pays again.
+arms nearest the best, whose rates are nearest it; an arm predicted at a share r of the leader's rate
+waits longer (``ArmRounds.stale``). Acceptance that collapses makes every drafting arm predict less at
+once and plain decoding leads; k = 1 is still retried now and then, so speculation comes back when
+it pays again (``tests/test_realized.py``).
 
 ``choose`` is a pure query; the clock of each bucket advances in ``record_costs``, once a real round.
 """
