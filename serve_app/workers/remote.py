@@ -8,6 +8,13 @@ whose channel readers poll, so the replica and each worker hold most of a core e
 host with few cores that slows the model more than the hop saves. Admission and removal of sequences
 are ordinary actor calls either way.
 
+The draft takes a sequence in the background: its prompt's prefill runs on the draft's cores while
+the target goes on (with ordinary calls the actor runs them in the order sent, so what follows
+finds the sequence there); the sequence drafts from the first round after the draft has it, and
+until then decodes plainly. Outcomes of rounds in which nothing drafts are handed to the draft every
+``PENDING_FLUSH`` rounds, so a plain stretch neither piles them up in the replica nor leaves them all
+to the next proposal.
+
 A failing draft never fails a request: its sequences continue with plain decoding, a new draft
 actor is started in the same placement-group bundle, and sequences admitted after it is up use it.
 """
@@ -30,6 +37,7 @@ log = logging.getLogger(__name__)
 
 ROUND_TIMEOUT_S = 120.0  # a round far longer than this means a hung worker, not a slow one
 MAX_DRAFT_RESTARTS = 3  # past this the replica decodes plainly until it is replaced
+PENDING_FLUSH = 16  # outcomes of plain rounds handed to the draft this many at a time
 
 
 class WorkerError(RuntimeError):
@@ -163,6 +171,7 @@ class RemoteDraftProposer(Proposer):
         self.spawn, self.compiled, self.on_state = spawn, compiled, on_state
         self.can_propose_ahead = can_propose_ahead
         self.on_draft: set[str] = set()  # sequences the current draft actor holds
+        self.adding: dict[str, Any] = {}  # sequences sent to it, not confirmed yet: their add calls' refs
         self.pending: list[VerifyResult] = []  # outcomes the draft has not seen yet
         self.failures = 0
         self.actor: Any = spawn()
@@ -178,21 +187,46 @@ class RemoteDraftProposer(Proposer):
         if self.channel is None and not self._restarted():
             return  # decoded plainly: no draft yet
         if self.pending:  # outcomes of a sequence that held this id before (a requeued one) must not reach the new one
-            self.actor.observe.remote(tuple(self.pending))
-            self.pending.clear()
-        try:
-            ray.get(self.actor.add_sequence.remote(seq_id, list(prompt_ids), params, features),
-                    timeout=ROUND_TIMEOUT_S)
+            self._hand_over()
+        ref = self.actor.add_sequence.remote(seq_id, list(prompt_ids), params, features)
+        if not self.compiled:
+            self.adding[seq_id] = ref  # the actor prefills it while the target goes on (``_settle``)
+            return
+        try:  # a compiled graph's rounds are not ordered after ordinary calls: wait
+            ray.get(ref, timeout=ROUND_TIMEOUT_S)
             self.on_draft.add(seq_id)
         except (RayError, GetTimeoutError) as e:
             self._fail(e)
 
+    def _settle(self) -> None:
+        """Sequences whose admission the actor has finished draft from now on; a failed one fails the draft."""
+        if not self.adding:
+            return
+        refs = list(self.adding.values())
+        done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        for seq_id, ref in list(self.adding.items()):
+            if ref in done:
+                del self.adding[seq_id]
+                try:
+                    ray.get(ref)
+                except RayError as e:
+                    self._fail(e)
+                    return
+                self.on_draft.add(seq_id)
+
+    def _hand_over(self) -> None:
+        """Send the outcomes the draft has not seen (an ordinary call, ordered before what follows)."""
+        self.actor.observe.remote(tuple(self.pending))
+        self.pending.clear()
+
     def remove_sequence(self, seq_id: str) -> None:
-        if seq_id in self.on_draft:
+        if seq_id in self.on_draft or seq_id in self.adding:
             self.on_draft.discard(seq_id)
+            self.adding.pop(seq_id, None)
             self.actor.remove_sequence.remote(seq_id)
 
     def propose(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> ProposalBlock:
+        self._settle()
         counts = tuple(k if s in self.on_draft else 0 for s, k in zip(seq_ids, num_tokens, strict=True))
         if self.channel is not None and any(counts):
             try:
@@ -206,6 +240,7 @@ class RemoteDraftProposer(Proposer):
     def propose_ahead(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> Callable[[], Drafted]:
         """Start drafting the next blocks on the actor (an ordinary call: it runs while the target
         verifies); the returned function waits for (guesses, blocks)."""
+        self._settle()
         counts = tuple(k if s in self.on_draft else 0 for s, k in zip(seq_ids, num_tokens, strict=True))
         nothing = nothing_drafted(seq_ids)
         if self.channel is None or not any(counts):
@@ -223,14 +258,17 @@ class RemoteDraftProposer(Proposer):
         return wait
 
     def observe(self, result: VerifyResult) -> None:
-        if self.on_draft:
+        if self.on_draft or self.adding:
             self.pending.append(result)
+            if len(self.pending) >= PENDING_FLUSH and not self.compiled and self.channel is not None:
+                self._hand_over()
 
     def _fail(self, error: Exception) -> None:
         self.failures += 1
         log.error("draft worker failed (%s: %s); its sequences continue with plain decoding, restarting it",
                   type(error).__name__, error)
         self.on_draft.clear()
+        self.adding.clear()
         self.pending.clear()
         if self.channel is not None:
             self.channel.close()
