@@ -1,5 +1,6 @@
-"""Prepacked oneDNN linears (bfloat16 on CPU): the same numbers as ``F.linear``, and the runner uses
-them exactly where they are exact."""
+"""Packed linears (bfloat16 on CPU): oneDNN's gives the same numbers as ``F.linear``; the AVX2 kernel
+(``models.avx2_linear``, for CPUs without native bfloat16) gives float32 sums of the bfloat16 products
+rounded once, independent of the rows batched together; the runner uses the kernel the CPU has."""
 
 from __future__ import annotations
 
@@ -7,13 +8,16 @@ import pytest
 import torch
 from torch import nn
 
+from serve_app.models.avx2_linear import Avx2Linear, cpu_has_avx2, extension
 from serve_app.models.base import RunnerConfig
-from serve_app.models.packed import PackedLinear, can_pack, pack_linears
+from serve_app.models.packed import PackedLinear, linear_kernel, onednn_bf16, pack_linears
 from serve_app.models.runner import ModelRunner
 
-pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, "cpu"), reason="no oneDNN in this torch build")
+needs_onednn = pytest.mark.skipif(not onednn_bf16(), reason="no oneDNN bfloat16 on this CPU or in this torch build")
+needs_avx2 = pytest.mark.skipif(not cpu_has_avx2(), reason="the AVX2 kernel needs an AVX2 + FMA CPU")
 
 
+@needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 64), (16, 64), (4, 5, 64), (1, 130, 64)])
 def test_a_packed_linear_gives_the_same_bits_as_f_linear(shape, bias):
@@ -24,11 +28,48 @@ def test_a_packed_linear_gives_the_same_bits_as_f_linear(shape, bias):
         assert torch.equal(PackedLinear(linear)(x), linear(x))
 
 
-def test_the_runner_packs_bfloat16_models_and_leaves_float32_alone(tiny_models):
+@needs_avx2
+def test_the_avx2_kernel_builds_on_an_avx2_cpu():
+    assert extension() is not None, "a C++ compiler and ninja are dependencies of the bfloat16 path"
+
+
+@needs_avx2
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 40), (2, 40), (5, 40), (7, 300), (3, 13, 40), (1, 70, 300)])
+@pytest.mark.parametrize("out_features", [16, 50, 96])
+def test_the_avx2_kernel_rounds_the_float32_sum_once(shape, bias, out_features):
+    torch.manual_seed(0)
+    linear = nn.Linear(shape[-1], out_features, bias=bias).to(torch.bfloat16)
+    x = torch.randn(*shape, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = Avx2Linear(linear)(x)
+        exact = x.double() @ linear.weight.double().T + (0 if linear.bias is None else linear.bias.double())
+    assert got.shape == (*shape[:-1], out_features) and got.dtype == torch.bfloat16
+    # float32 sums of exact bf16 products: within float32 rounding of the exact result, then one bf16 rounding
+    tolerance = exact.abs().max() * 2**-8 + 1e-6
+    assert (got.double() - exact).abs().max() <= tolerance
+    # and the same as torch's own bf16 linear to bfloat16's precision
+    torch.testing.assert_close(got, linear(x), rtol=2**-7, atol=1e-2)
+
+
+@needs_avx2
+def test_a_rows_result_does_not_depend_on_the_rows_it_is_batched_with():
+    torch.manual_seed(1)
+    linear = Avx2Linear(nn.Linear(700, 130, bias=True).to(torch.bfloat16))
+    x = torch.randn(23, 700, dtype=torch.bfloat16)
+    with torch.no_grad():
+        together = linear(x)
+        for rows in (1, 2, 5, 6, 7, 13):
+            assert torch.equal(torch.cat([linear(x[i:i + rows]) for i in range(0, 23, rows)]), together)
+
+
+def test_the_runner_packs_bfloat16_models_with_the_cpus_kernel_and_leaves_float32_alone(tiny_models):
     def linears(runner):
-        return {type(m).__name__ for m in runner.model.modules() if isinstance(m, (nn.Linear, PackedLinear))}
+        return {type(m).__name__ for m in runner.model.modules() if isinstance(m, (nn.Linear, PackedLinear, Avx2Linear))}
 
     bf16 = ModelRunner(tiny_models["llama"], RunnerConfig(dtype="bfloat16", max_batch_size=1, max_seq_len=32))
     fp32 = ModelRunner(tiny_models["llama"], RunnerConfig(dtype="float32", max_batch_size=1, max_seq_len=32))
-    assert linears(bf16) == {"PackedLinear"} and linears(fp32) == {"Linear"}
-    assert pack_linears(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == 1
+    expected = {"onednn": "PackedLinear", "avx2": "Avx2Linear", None: "Linear"}[linear_kernel(torch.bfloat16, "cpu")]
+    assert linears(bf16) == {expected}
+    assert linears(fp32) == {"Linear"}
+    assert pack_linears(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), "onednn") == 1  # float32 packs everywhere

@@ -1,26 +1,44 @@
-"""Linear layers with oneDNN-prepacked weights, for bfloat16 on CPU.
+"""Linear layers with weights packed once at load time, for bfloat16 on CPU.
 
-``F.linear`` on a CPU reorders a bfloat16 weight into oneDNN's blocked layout on every call; a
-decode step is a few hundred small matmuls, so that reorder is much of its cost. Packing each weight
-once at load time (what vLLM's CPU backend and inductor's ``freezing`` do) halves a batch-1 matmul
-here (lm_head 1.9 -> 1.0 ms, gate_up 80 -> 36 us) and gives bit-identical results: the same kernel
-runs, only the weight layout changes. float32 is left alone: its packed kernel rounds differently
-from ``F.linear``, and float32 is the dtype tests compare bit for bit with Hugging Face.
+Two kernels, by what the CPU does natively (``linear_kernel``):
+- ``onednn``: where it converts bfloat16 natively (AVX-512 BW/VL/DQ or AVX-NE-CONVERT). ``F.linear``
+  reorders a bfloat16 weight into oneDNN's blocked layout on every call; a decode step is a few hundred
+  small matmuls, so that reorder is much of its cost. Packing each weight once (what vLLM's CPU backend
+  and inductor's ``freezing`` do) halves a batch-1 matmul (lm_head 1.9 -> 1.0 ms, gate_up 80 -> 36 us
+  on such a CPU) and gives bit-identical results: the same kernel runs, only the layout changes.
+- ``avx2``: an AVX2-only CPU, where oneDNN refuses bfloat16 (``models.avx2_linear``).
+float32 is left alone: its packed kernel rounds differently from ``F.linear``, and float32 is the
+dtype tests compare bit for bit with Hugging Face.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import nn
 
+from serve_app.models.avx2_linear import Avx2Linear, extension
 
-def can_pack(dtype: torch.dtype, device: str | torch.device) -> bool:
-    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+LinearKernel = Literal["onednn", "avx2"]
+
+
+def onednn_bf16() -> bool:
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def linear_kernel(dtype: torch.dtype, device: str | torch.device) -> LinearKernel | None:
+    """The packed kernel for a model of this dtype on this device; None: keep ``F.linear``."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+        return None
+    if onednn_bf16():
+        return "onednn"
+    return "avx2" if extension() is not None else None
 
 
 class PackedLinear(nn.Module):
-    """Inference-only stand-in for an ``nn.Linear`` (same ``in_features``/``out_features``)."""
+    """Inference-only stand-in for an ``nn.Linear`` on oneDNN (same ``in_features``/``out_features``)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -34,12 +52,13 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of an inference model by a ``PackedLinear``; returns how many."""
+def pack_linears(model: nn.Module, kernel: LinearKernel = "onednn") -> int:
+    """Replace every ``nn.Linear`` of an inference model by a packed one; returns how many."""
+    packed = PackedLinear if kernel == "onednn" else Avx2Linear
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child))
+                setattr(module, name, packed(child))
                 count += 1
     return count
