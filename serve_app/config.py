@@ -104,6 +104,14 @@ class SpeculationConfig(SpeculationBase):
         "decoding, and comes back as requests finish. For hardware whose verify cost grows with the "
         "tokens verified (CPUs; accelerators at large batch). None: k for every sequence.",
     )
+    draft_weights: Literal["model", "int8"] = Field(
+        "model",
+        description="The draft model's linear weights: 'model' (as loaded, in engine.dtype) or 'int8' (int8 with "
+        "a scale per output row, rounded at load: half the bytes a draft step reads, so about half its time on "
+        "a CPU, where a step reads every weight once). Only the draft's: its tokens are proposals the target "
+        "verifies, so the output is unchanged; acceptance may move slightly. Needs engine.dtype bfloat16, "
+        "backend torch and device cpu (an x86 CPU with AVX2; models.avx2_linear).",
+    )
     ngram_first: bool = Field(
         False,
         description="With a draft model: use n-gram lookup for a sequence whenever its last "
@@ -118,6 +126,9 @@ class SpeculationConfig(SpeculationBase):
         if self.overlap and self.draft in ("ngram", "none"):
             raise ValueError("overlap drafts the next block while the target verifies: set `draft` to a decoder "
                              "model, or overlap to false")
+        if self.draft_weights != "model" and self.draft in ("ngram", "none"):
+            raise ValueError("draft_weights applies to a draft model: set `draft` to a model, or draft_weights to "
+                             "model")
         if self.draft_stop_below and self.draft in ("ngram", "none"):
             raise ValueError("draft_stop_below reads a draft model's probabilities: set `draft` to a model, "
                              "or draft_stop_below to 0")
@@ -281,6 +292,10 @@ class EngineConfig(EngineBase):
         if self.backend == "neuron" and self.device != "cpu":
             raise ValueError("device applies to backend: torch; the Neuron backend places models on "
                              "NeuronCores through placement.accelerator: neuron_cores")
+        if self.speculation.draft_weights == "int8" and (self.dtype, self.backend, self.device) != \
+                ("bfloat16", "torch", "cpu"):
+            raise ValueError("speculation.draft_weights: int8 runs on the torch backend on a CPU in bfloat16; set "
+                             "engine.dtype: bfloat16, backend: torch, device: cpu, or draft_weights: model")
         return self
 
 

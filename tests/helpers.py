@@ -9,13 +9,14 @@ from serve_app.config import EngineConfig, SpeculationConfig
 from serve_app.engine.factory import build_engine
 
 
-def engine_for(target, draft="ngram", k=4, batch=4, seq_len=256, prefill_chunk_tokens=None, **speculation):
+def engine_for(target, draft="ngram", k=4, batch=4, seq_len=256, prefill_chunk_tokens=None, dtype="float32",
+               **speculation):
     """An in-process engine on tiny models. k is fixed unless ``k_policy="cost_model"`` is given: the
     tests of the speculation mechanics need every round to draft what they ask (on tiny models a
     draft step costs what a target step does, so the cost model rightly stops drafting)."""
     speculation.setdefault("k_policy", "fixed")
     config = EngineConfig(
-        model=str(target), dtype="float32", max_batch_size=batch, max_seq_len=seq_len,
+        model=str(target), dtype=dtype, max_batch_size=batch, max_seq_len=seq_len,
         prefill_chunk_tokens=prefill_chunk_tokens,
         speculation=SpeculationConfig(draft=str(draft), num_speculative_tokens=k, **speculation),
     )

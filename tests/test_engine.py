@@ -14,6 +14,8 @@ from serve_app.engine.admission import Admission
 from serve_app.engine.engine import RequestError
 from serve_app.engine.pipeline import PlainPipeline
 from serve_app.engine.request import GenerationParams
+from serve_app.models.avx2_linear import Avx2Linear
+from serve_app.models.packed import linear_kernel, onednn_bf16
 from serve_app.speculation.policy import BlockSizePolicy, FixedPolicy
 from serve_app.speculation.types import SamplingParams
 from tests.conftest import perturbed_copy
@@ -45,6 +47,21 @@ def test_greedy_speculation_is_lossless(tiny_models, kind):
     drafted = engine.generate(prompts, GenerationParams(max_tokens=40, method="draft"))
     assert sum(o.stats.num_draft_tokens for o in drafted) > 0
     assert sum(o.stats.acceptance_rate for o in drafted) / len(drafted) < 0.5
+
+
+@pytest.mark.skipif(onednn_bf16() or linear_kernel(torch.bfloat16, "cpu") != "avx2",
+                    reason="bfloat16 decoding is batch-invariant on the AVX2 kernel only (oneDNN's sums vary with rows)")
+def test_an_int8_draft_changes_acceptance_never_the_output(tiny_models):
+    # the target as its own draft, rounded to int8: nearly everything accepted, and in bfloat16 on the
+    # batch-invariant kernel the speculative output is plain decoding's, token for token
+    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3"], k=4, dtype="bfloat16", draft_weights="int8")
+    draft_linears = [m for m in engine.proposers["draft"].runner.model.modules() if isinstance(m, Avx2Linear)]
+    assert draft_linears and all(m.packed.dtype == torch.int8 for m in draft_linears)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    plain = engine.generate(prompts, GenerationParams(max_tokens=30, method="none", ignore_eos=True))
+    spec = engine.generate(prompts, GenerationParams(max_tokens=30, ignore_eos=True))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sum(o.stats.acceptance_rate for o in spec) / len(spec) > 0.8
 
 
 def test_draft_identical_to_target_accepts_everything(tiny_models):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from serve_app.models.avx2_linear import Avx2Linear, cpu_has_avx2, extension
+from serve_app.models.avx2_linear import Avx2Linear, cpu_has_avx2, extension, quantize_int8
 from serve_app.models.base import RunnerConfig
 from serve_app.models.packed import PackedLinear, linear_kernel, onednn_bf16, pack_linears
 from serve_app.models.runner import ModelRunner
@@ -61,6 +61,23 @@ def test_a_rows_result_does_not_depend_on_the_rows_it_is_batched_with():
         together = linear(x)
         for rows in (1, 2, 5, 6, 7, 13):
             assert torch.equal(torch.cat([linear(x[i:i + rows]) for i in range(0, 23, rows)]), together)
+
+
+@needs_avx2
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 40), (5, 300), (2, 9, 40)])
+def test_int8_weights_compute_with_the_quantized_weight_and_each_rows_scale(shape, bias):
+    torch.manual_seed(2)
+    linear = nn.Linear(shape[-1], 50, bias=bias).to(torch.bfloat16)
+    x = torch.randn(*shape, dtype=torch.bfloat16)
+    q, scale = quantize_int8(linear.weight)
+    assert q.dtype == torch.int8 and q.abs().max() == 127 and scale.shape == (50,)
+    assert (q.float() * scale[:, None] - linear.weight.float()).abs().max() <= scale.max() / 2 * 1.0001
+    with torch.no_grad():
+        got = Avx2Linear(linear, "int8")(x)
+        exact = (x.double() @ q.double().T) * scale.double() + (0 if linear.bias is None else linear.bias.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (*shape[:-1], 50)
+    assert (got.double() - exact).abs().max() <= exact.abs().max() * 2**-8 + 1e-6
 
 
 def test_the_runner_packs_bfloat16_models_with_the_cpus_kernel_and_leaves_float32_alone(tiny_models):

@@ -57,6 +57,11 @@ def test_local_config_is_the_embedded_pairing_and_ngram_needs_no_draft_bundle():
         ({"deployment": {"autoscaling_config": {"min_replicas": 3, "max_replicas": 2}}}, "min_replicas (3)"),
         ({"engine": {"speculation": {"ngram_min": 4, "ngram_max": 2}}}, "ngram_min (4) must be <= ngram_max (2)"),
         ({"exchange": "carrier_pigeon"}, "args.exchange"),
+        ({"engine": {"speculation": {"draft": "ngram", "draft_weights": "int8"}}}, "draft_weights applies to a draft"),
+        ({"engine": {"dtype": "float32", "speculation": {"draft": "smollm2-135m-instruct", "draft_weights": "int8"}}},
+         "speculation.draft_weights: int8 runs on the torch backend on a CPU in bfloat16"),
+        ({"engine": {"speculation": {"draft": "smollm2-135m-instruct", "draft_weights": "int4"}}},
+         "args.engine.speculation.draft_weights"),
     ],
 )
 def test_mistakes_name_the_key(args, message):

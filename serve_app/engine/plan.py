@@ -72,6 +72,7 @@ def runner_config(config: EngineConfig, role: Role = "target", cores: int = 1) -
         max_seq_len=config.max_seq_len,  # the engine caps each block to the room left
         device=config.device,
         neuron=neuron_spec(config, role, cores) if config.backend == "neuron" else None,
+        weights=config.speculation.draft_weights if role == "draft" else "model",
     )
 
 

@@ -1,17 +1,21 @@
 """bfloat16 linear layers for CPUs without native bfloat16 arithmetic (AVX2 + FMA only: AMD Zen 1-3,
-Intel before Cooper Lake), a small C++ kernel built once on first use.
+Intel before Cooper Lake), a small C++ kernel built once on first use; and int8 weights for a draft.
 
 Why our own kernel: on such a CPU oneDNN (torch's, and vLLM's own build) and zentorch refuse bfloat16
 matmuls, and torch falls back to a generic kernel that is fine for one row but runs far under the
 memory bound for more (measured here, AMD EPYC Zen 3, 2 threads, a 1536 x 17920 weight: 1.9 ms for
 1 row, 8.6 ms for 5, 28 ms for 16, 100 ms for 64). Verifying a block of k + 1 tokens is exactly such
-a matmul, so speculation could not pay there. ``avx2_bf16_linear.cpp`` packs each weight once
+a matmul, so speculation could not pay there. ``avx2_linear.cpp`` packs each weight once
 (blocks of 16 output columns) and runs a 6 x 16 register-tiled micro-kernel (the BLIS / ggml AVX2
 shape) converting bfloat16 in registers: the same weight in 2.1 / 3.4 / 7.0 / 23 ms, 1 row at the
 memory bound and 64 near the FMA peak.
 
 Each output is one float32 sum in k order, so a row's result does not depend on how many rows share
 the call: scoring a block gives each token the bits of a one-token step.
+
+``weights="int8"`` stores each weight as int8 with a float32 scale per output column (symmetric,
+rounded to nearest): half the bytes a decode step reads. Only for a draft: its tokens are proposals the
+target verifies, so a draft's rounding changes how many are accepted, never the output.
 
 The build needs a C++ compiler and ninja (a dependency); without them, or on another CPU, the model
 keeps ``F.linear`` and the log says why once.
@@ -23,13 +27,14 @@ import functools
 import logging
 from pathlib import Path
 from types import ModuleType
+from typing import Literal
 
 import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("avx2_bf16_linear.cpp")
+SOURCE = Path(__file__).with_name("avx2_linear.cpp")
 
 
 def cpu_has_avx2() -> bool:
@@ -45,7 +50,7 @@ def extension() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="serve_app_avx2_bf16_linear", sources=[str(SOURCE)],
+        return load(name="serve_app_avx2_linear", sources=[str(SOURCE)],
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], verbose=False)  # -fopenmp: at::parallel_for runs on torch's threads, not one
     except Exception as e:  # noqa: BLE001 - a missing compiler or ninja: keep F.linear
         log.warning("bfloat16 AVX2 kernel not built (%s: %s); bfloat16 linears use F.linear, several times slower "
@@ -53,10 +58,20 @@ def extension() -> ModuleType | None:
         return None
 
 
+Weights = Literal["bfloat16", "int8"]
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: (q [N, K] int8, scale [N] float32), weight ~= q * scale[:, None]."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
 class Avx2Linear(nn.Module):
     """Inference-only stand-in for a bfloat16 ``nn.Linear`` (same ``in_features``/``out_features``)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, weights: Weights = "bfloat16"):
         super().__init__()
         ext = extension()
         if ext is None:
@@ -64,9 +79,15 @@ class Avx2Linear(nn.Module):
         self.ext = ext
         self.in_features, self.out_features = linear.in_features, linear.out_features
         with torch.no_grad():
-            self.packed = nn.Buffer(ext.pack(linear.weight.detach().to(torch.bfloat16)), persistent=False)
+            if weights == "int8":
+                q, scale = quantize_int8(linear.weight)
+                self.packed = nn.Buffer(ext.pack(q), persistent=False)
+                self.scale: torch.Tensor | None = nn.Buffer(scale, persistent=False)
+            else:
+                self.packed = nn.Buffer(ext.pack(linear.weight.detach().to(torch.bfloat16)), persistent=False)
+                self.scale = None
         bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ext.linear(x, self.packed, self.out_features, self.bias)
+        return self.ext.linear(x, self.packed, self.out_features, self.scale, self.bias)

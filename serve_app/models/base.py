@@ -35,6 +35,7 @@ class RunnerConfig:
     max_seq_len: int = 2048  # cached tokens per sequence (the KV cache capacity)
     device: str = "cpu"
     neuron: NeuronSpec | None = None  # set: the NxDI runner (backend: neuron) with this compiled model
+    weights: Literal["model", "int8"] = "model"  # int8: linears with int8 weights (a draft's; models.avx2_linear)
 
 
 @runtime_checkable

@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from serve_app.models.avx2_linear import Avx2Linear, extension
+from serve_app.models.avx2_linear import Avx2Linear, Weights, extension
 
 LinearKernel = Literal["onednn", "avx2"]
 
@@ -37,6 +37,11 @@ def linear_kernel(dtype: torch.dtype, device: str | torch.device) -> LinearKerne
     return "avx2" if extension() is not None else None
 
 
+def int8_available(dtype: str, device: str) -> bool:
+    """int8 weights (a draft's) run on the AVX2 kernel: bfloat16 activations on an x86 CPU."""
+    return dtype == "bfloat16" and torch.device(device).type == "cpu" and extension() is not None
+
+
 class PackedLinear(nn.Module):
     """Inference-only stand-in for an ``nn.Linear`` on oneDNN (same ``in_features``/``out_features``)."""
 
@@ -52,13 +57,13 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module, kernel: LinearKernel = "onednn") -> int:
-    """Replace every ``nn.Linear`` of an inference model by a packed one; returns how many."""
-    packed = PackedLinear if kernel == "onednn" else Avx2Linear
+def pack_linears(model: nn.Module, kernel: LinearKernel = "onednn", weights: Weights = "bfloat16") -> int:
+    """Replace every ``nn.Linear`` of an inference model by a packed one (int8 weights: the AVX2 kernel's);
+    returns how many."""
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, packed(child))
+                setattr(module, name, PackedLinear(child) if kernel == "onednn" else Avx2Linear(child, weights))
                 count += 1
     return count

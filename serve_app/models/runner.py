@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from serve_app.models.base import DTYPES, ModelLoadError, RunnerConfig
 from serve_app.models.eagle import EagleHead, is_eagle
 from serve_app.models.llama import SUPPORTED_MODEL_TYPES, Batch, CausalLM, fuse_hf_state_dict
-from serve_app.models.packed import linear_kernel, pack_linears
+from serve_app.models.packed import int8_available, linear_kernel, pack_linears
 from serve_app.models.slots import SequenceSlots
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,12 @@ class ModelRunner(SequenceSlots):
         self.vocab_size: int = self.hf_config.vocab_size
         self.capacity = config.max_seq_len
         self.model.setup_caches(config.max_batch_size, self.capacity, self.dtype)
-        kernel = linear_kernel(self.dtype, config.device)
-        if kernel is not None:
+        if config.weights == "int8":
+            if not int8_available(config.dtype, config.device):
+                raise ModelLoadError(f"{self.path}: int8 weights need bfloat16 on an x86 CPU with AVX2 and FMA and "
+                                     "the kernel built (a C++ compiler); set speculation.draft_weights: model")
+            pack_linears(self.model, "avx2", "int8")
+        elif (kernel := linear_kernel(self.dtype, config.device)) is not None:
             pack_linears(self.model, kernel)
         super().__init__(config.max_batch_size)
         log.info("loaded %s (%s) in %.1fs", self.path, config.dtype, time.perf_counter() - start)

@@ -1,0 +1,206 @@
+// y = x @ w^T + b for bfloat16 x and b on an AVX2 + FMA CPU, accumulated in float32 (see avx2_linear.py); w in
+// bfloat16, or in int8 with a float32 scale per output column (a draft model's weights at half the bytes).
+//
+// The weight is packed once into blocks of 16 output columns, [N / 16][K][16], so a block streams
+// from memory in one run; x is laid out as panels of 6 rows, [M / 6][K][6], so a k step broadcasts
+// its 6 values from one cache line. The micro-kernel keeps 6 x 16 float32 sums in 12 registers (the
+// BLIS / ggml AVX2 shape) and reads each weight once per panel, converting bfloat16 to float32 in
+// registers. With more
+// than one panel, k runs in chunks of KC so a panel and a block stay in L1; with one (decoding,
+// verifying), each block streams once from end to end, prefetched ahead.
+//
+// Every output is one float32 sum over k = 0..K-1 in order, whatever M is and whichever tile
+// computes it: a row's result does not depend on the rows it is batched with (scoring k + 1 tokens
+// gives each the bits of a one-token step), which F.linear and oneDNN do not promise.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+constexpr int64_t NB = 16;   // output columns per weight block
+constexpr int64_t MT = 6;    // rows per x panel (and per micro-tile)
+constexpr int64_t KC = 256;  // k steps per cache chunk
+
+// float32 -> bfloat16, round to nearest even (as torch converts; inputs here are finite)
+inline void store_bf16x8(uint16_t* dst, __m256 v) {
+  __m256i b = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
+}
+
+// A weight format: how 16 columns of one k step are stored and turned into two float32 vectors.
+struct Bf16Weights {  // 32 bytes; a bfloat16 is the high half of a float32: interleaving zero words does it
+  using T = uint16_t;
+  // memory order within a block: columns 0-3, 8-11, 4-7, 12-15, what the unpacks of each 128-bit half want
+  static constexpr int64_t order[NB] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+  static inline void load(const T* p, __m256& lo, __m256& hi) {
+    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    __m256i z = _mm256_setzero_si256();
+    lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
+    hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
+  }
+};
+
+struct Int8Weights {  // 16 bytes; each column's scale is applied once, to its finished sum
+  using T = int8_t;
+  static constexpr int64_t order[NB] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  static inline void load(const T* p, __m256& lo, __m256& hi) {
+    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)));
+  }
+};
+
+// acc[R][16] += panel[k][0..R) * w[k][16] over kn steps, for B adjacent weight blocks (B = 2 gives
+// 1-2 row tiles four independent FMA chains instead of two; each output's sum runs in the same order).
+template <class W, int R, int B>
+inline void tile(const float* panel, const typename W::T* w, int64_t w_stride, int64_t kn, float* acc_buf) {
+  constexpr int64_t steps_per_line = 64 / (NB * sizeof(typename W::T));
+  constexpr int64_t ahead = 2048 / (NB * sizeof(typename W::T));  // prefetch 2 KB ahead in each block
+  __m256 acc[R][2 * B];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2 * B; ++j) acc[r][j] = _mm256_loadu_ps(acc_buf + (j / 2) * MT * NB + r * NB + (j % 2) * 8);
+  for (int64_t k = 0; k < kn; ++k) {
+    if (k % steps_per_line == 0)
+      for (int b = 0; b < B; ++b) _mm_prefetch(reinterpret_cast<const char*>(w + b * w_stride + (k + ahead) * NB), _MM_HINT_T0);
+    __m256 wv[2 * B];
+    for (int b = 0; b < B; ++b) W::load(w + b * w_stride + k * NB, wv[2 * b], wv[2 * b + 1]);
+    for (int r = 0; r < R; ++r) {
+      __m256 xb = _mm256_broadcast_ss(panel + k * MT + r);
+      for (int j = 0; j < 2 * B; ++j) acc[r][j] = _mm256_fmadd_ps(xb, wv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2 * B; ++j) _mm256_storeu_ps(acc_buf + (j / 2) * MT * NB + r * NB + (j % 2) * 8, acc[r][j]);
+}
+
+template <class W, int B>
+inline void run_tile(int64_t rows, const float* panel, const typename W::T* w, int64_t w_stride, int64_t kn,
+                     float* acc) {
+  switch (rows) {
+    case 1: tile<W, 1, B>(panel, w, w_stride, kn, acc); return;
+    case 2: tile<W, 2, B>(panel, w, w_stride, kn, acc); return;
+  }
+  for (int b = 0; b < B; ++b, w += w_stride, acc += MT * NB) {  // 3-6 rows fill the registers with one block
+    switch (rows) {
+      case 3: tile<W, 3, 1>(panel, w, w_stride, kn, acc); break;
+      case 4: tile<W, 4, 1>(panel, w, w_stride, kn, acc); break;
+      case 5: tile<W, 5, 1>(panel, w, w_stride, kn, acc); break;
+      default: tile<W, 6, 1>(panel, w, w_stride, kn, acc); break;
+    }
+  }
+}
+
+// y [M, n_out] (bfloat16) = x_panels (float32) @ w^T, times each column's scale (int8), plus bias
+template <class W>
+void matmul(const float* xp, int64_t M, int64_t K, const typename W::T* wp, int64_t blocks, const float* scales,
+            const float* bp, uint16_t* yp, int64_t n_out) {
+  const int64_t panels = (M + MT - 1) / MT;
+  // Rows of y for block nb from its float32 sums; the last block may hold fewer than 16 columns.
+  auto finish = [&](int64_t nb, const float* acc) {
+    const int64_t col = nb * NB, width = std::min<int64_t>(NB, n_out - col);
+    float bias16[NB] = {0}, scale16[NB] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+    if (bp) std::memcpy(bias16, bp + col, width * sizeof(float));
+    if (scales) std::memcpy(scale16, scales + col, width * sizeof(float));
+    __m256 b0 = _mm256_loadu_ps(bias16), b1 = _mm256_loadu_ps(bias16 + 8);
+    __m256 s0 = _mm256_loadu_ps(scale16), s1 = _mm256_loadu_ps(scale16 + 8);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* a = acc + (m / MT) * 2 * MT * NB + (m % MT) * NB;
+      uint16_t out[NB];
+      store_bf16x8(out, _mm256_fmadd_ps(_mm256_loadu_ps(a), s0, b0));
+      store_bf16x8(out + 8, _mm256_fmadd_ps(_mm256_loadu_ps(a + 8), s1, b1));
+      std::memcpy(yp + m * n_out + col, out, width * sizeof(uint16_t));
+    }
+  };
+  // Work unit: a pair of adjacent blocks (32 columns) over all rows.
+  const int64_t pairs = (blocks + 1) / 2, w_stride = K * NB;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(panels * 2 * MT * NB);  // per panel: two blocks' sums, [panels][2][MT][NB]
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t nb = 2 * p;
+      const bool both = nb + 1 < blocks;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      const typename W::T* w = wp + nb * w_stride;
+      const int64_t chunk = panels == 1 ? K : KC;  // chunking never changes a sum's order
+      for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+        const int64_t kn = std::min(chunk, K - k0);
+        for (int64_t t = 0; t < panels; ++t) {
+          const int64_t rows = std::min(MT, M - t * MT);
+          const float* panel = xp + (t * K + k0) * MT;
+          float* a = acc.data() + t * 2 * MT * NB;
+          if (both) run_tile<W, 2>(rows, panel, w + k0 * NB, w_stride, kn, a);
+          else run_tile<W, 1>(rows, panel, w + k0 * NB, w_stride, kn, a);
+        }
+      }
+      finish(nb, acc.data());
+      if (both) finish(nb + 1, acc.data() + MT * NB);
+    }
+  });
+}
+}  // namespace
+
+// w [N, K] (bfloat16, or int8 quantized per output column) -> [ceil(N / 16), K, 16], the rows past N zero
+torch::Tensor pack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kChar),
+              "pack: a 2-D bfloat16 or int8 weight");
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
+  int64_t N = w.size(0), K = w.size(1), blocks = (N + NB - 1) / NB;
+  auto padded = at::zeros({blocks * NB, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  const int64_t* order = bf16 ? Bf16Weights::order : Int8Weights::order;
+  auto index = torch::from_blob(const_cast<int64_t*>(order), {NB}, torch::kLong).clone();
+  return padded.view({blocks, NB, K}).index_select(1, index).transpose(1, 2).contiguous();
+}
+
+// y = (x @ w^T) * scales + bias: x bfloat16 [..., K]; packed from ``pack``; scales float32 [n_out] for an
+// int8 weight; bias bfloat16 [n_out] or none. y bfloat16 [..., n_out].
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n_out, c10::optional<torch::Tensor> scales_opt,
+                     c10::optional<torch::Tensor> bias_opt) {
+  const bool int8 = packed.scalar_type() == at::kChar;
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && (int8 || packed.scalar_type() == at::kBFloat16),
+              "linear: bfloat16 x, a bfloat16 or int8 packed weight");
+  TORCH_CHECK(int8 == (scales_opt.has_value() && scales_opt->defined()), "linear: scales go with an int8 weight");
+  const int64_t blocks = packed.size(0), K = packed.size(1);
+  TORCH_CHECK(x.size(-1) == K, "linear: x has ", x.size(-1), " features, the weight ", K);
+  auto shape = x.sizes().vec();
+  shape.back() = n_out;
+  auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0), panels = (M + MT - 1) / MT;
+  auto y = at::empty({M, n_out}, x.options());
+  if (M == 0) return y.view(shape);
+
+  // x -> float32 panels [panels][K][MT], rows past M zero
+  std::vector<float> xpanel(panels * K * MT, 0.f);
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
+  for (int64_t m = 0; m < M; ++m) {
+    float* dst = xpanel.data() + (m / MT) * K * MT + (m % MT);
+    const uint16_t* src = xs + m * K;
+    for (int64_t k = 0; k < K; ++k) {
+      uint32_t bits = static_cast<uint32_t>(src[k]) << 16;
+      std::memcpy(dst + k * MT, &bits, sizeof(float));
+    }
+  }
+  torch::Tensor bias, scales;
+  if (bias_opt.has_value() && bias_opt->defined()) bias = bias_opt->to(at::kFloat).contiguous();
+  if (int8) scales = scales_opt->to(at::kFloat).contiguous();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  if (int8)
+    matmul<Int8Weights>(xpanel.data(), M, K, packed.data_ptr<int8_t>(), blocks, scales.data_ptr<float>(), bp, yp, n_out);
+  else
+    matmul<Bf16Weights>(xpanel.data(), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+                        blocks, nullptr, bp, yp, n_out);
+  return y.view(shape);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack, "pack a bfloat16 or int8 weight [N, K] into [ceil(N / 16), K, 16]");
+  m.def("linear", &linear, "y = (x @ w^T) * scales + b, bfloat16 x and y, float32 sums");
+}
