@@ -30,6 +30,7 @@ from serve_app.config import SpeculationMethod
 from serve_app.engine.admission import Admission
 from serve_app.engine.ahead import AheadRow, DraftAhead
 from serve_app.engine.block_sizer import BlockSizer
+from serve_app.engine.deferral import Deferral
 from serve_app.engine.pipeline import PlainPipeline
 from serve_app.engine.request import GenerationParams, Request, RequestError, RequestOutput
 from serve_app.engine.round_timer import RoundTimer
@@ -75,6 +76,7 @@ class Engine:
         self.admission = Admission(prefill_chunk)
         self.waiting, self.prefilling = self.admission.waiting, self.admission.prefilling  # the same queues
         self.running: dict[str, Request] = {}
+        self.deferral = Deferral(self.proposers)  # sequences out of their proposer while drafting does not pay
         self.stats = SpecStats()
         self._ids = itertools.count()
         self.pipeline = PlainPipeline()  # plain rounds sent ahead (only where the verifier can_send_ahead)
@@ -154,6 +156,7 @@ class Engine:
         admitted = sorted([r for r, _ in self.prefilling] + list(self.running.values()), key=lambda r: r.arrival)
         self.prefilling.clear()
         self.running.clear()
+        self.deferral.clear()
         for req in admitted:
             self.ahead.drop(req.request_id)
             self.proposers[req.method].remove_sequence(req.request_id)
@@ -186,7 +189,10 @@ class Engine:
             result, ahead_blocks = self.ahead.verify(self.verifier, block, self._ahead_rows(block))
         for proposer in self.proposers.values():
             proposer.observe(result)
-        elapsed, self.last_costs = self.timer.finish(result, start, verify_start, overhead, admitted)
+        # a round that shared the cores with a prefill (the target's admission, a draft's background one)
+        # is not what a round costs: its interval is left out of what the policy learns
+        disturbed = admitted or any(p.busy for p in self.proposers.values())
+        elapsed, self.last_costs = self.timer.finish(result, start, verify_start, overhead, disturbed)
         self.sizer.on_round(result, self.last_costs)
         self.on_round(result, elapsed)
         if self.verifier.can_send_ahead and not self.prefilling and not self.ahead.ready \
@@ -223,12 +229,13 @@ class Engine:
         return rows
 
     def _admit(self) -> bool:
-        """Admission's step (``engine.admission``); a request whose prompt is cached enters its
-        proposer and the round. Returns whether anything was admitted or cached."""
+        """Admission's step (``engine.admission``); a request whose prompt is cached enters the round and
+        its proposer, unless the k policy would not draft at the batch it joins (``engine.deferral``).
+        Returns whether anything was admitted or cached."""
         admitted, ready = self.admission.step(self.verifier)
-        for req, features in ready:
-            self.proposers[req.method].add_sequence(req.request_id, req.context_ids, req.params.sampling, features)
+        for req, _ in ready:
             self.running[req.request_id] = req
+        self.deferral.admit(ready, bool(ready) and any(self._block_sizes(list(self.running.values()))))
         return admitted
 
     def _propose(self, requests: Sequence[Request]) -> ProposalBlock:
@@ -236,6 +243,11 @@ class Engine:
         held = {b.seq_ids[0] for b in blocks}  # drafted ahead, and the last round kept what they rest on
         requests = [r for r in requests if r.request_id not in held]
         sizes = dict(zip((r.request_id for r in requests), self._block_sizes(requests), strict=True))
+        self.deferral.on_round(any(sizes.values()), self.running)
+        if self.deferral.held:  # not in their proposer yet: plain
+            plain = [r.request_id for r in requests if r.request_id in self.deferral.held]
+            blocks.append(ProposalBlock.make_dummy(plain, [[] for _ in plain]))
+            requests = [r for r in requests if r.request_id not in self.deferral.held]
         for method, proposer in self.proposers.items():
             group = [r.request_id for r in requests if r.method == method]
             if group:
@@ -259,6 +271,7 @@ class Engine:
         return max(0, min(remaining, room))
 
     def _release(self, req: Request) -> None:
+        self.deferral.discard(req.request_id)
         self.sizer.forget(req.request_id)
         self.ahead.drop(req.request_id)
         self.verifier.remove_sequence(req.request_id)

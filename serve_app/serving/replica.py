@@ -130,7 +130,7 @@ def build_replica_engine(config: AppConfig, metrics: ReplicaMetrics | None = Non
                 engine_cfg.num_threads, spec.draft_stop_below, not spec.overlap)
 
         draft = RemoteDraftProposer(spawn, compiled, on_state=metrics.on_draft_state,
-                                    can_propose_ahead=not plan.features)  # an EAGLE head (features) cannot
+                                    decoder=not plan.features)  # an EAGLE head reads the target's features
         workers["draft"] = ray.get(draft.actor.info.remote())
         metrics.on_draft_state(True)
 

@@ -165,11 +165,12 @@ class RemoteDraftProposer(Proposer):
     """The draft proposer, on a ``DraftWorker`` actor, with fallback to plain decoding."""
 
     def __init__(self, spawn: Callable[[], Any], compiled: bool,
-                 on_state: Callable[[bool], None] = lambda available: None, can_propose_ahead: bool = False):
-        """``spawn()`` creates a new DraftWorker actor (in this replica's placement group).
-        ``can_propose_ahead``: its proposer drafts ahead (a decoder draft; see ``engine.ahead``)."""
+                 on_state: Callable[[bool], None] = lambda available: None, decoder: bool = False):
+        """``spawn()`` creates a new DraftWorker actor (in this replica's placement group). ``decoder``:
+        its proposer is a decoder draft model (not an EAGLE head), which drafts ahead (``engine.ahead``)
+        and takes a sequence at any point of its life (``Proposer.can_add_later``)."""
         self.spawn, self.compiled, self.on_state = spawn, compiled, on_state
-        self.can_propose_ahead = can_propose_ahead
+        self.can_propose_ahead = self.can_add_later = decoder
         self.on_draft: set[str] = set()  # sequences the current draft actor holds
         self.adding: dict[str, Any] = {}  # sequences sent to it, not confirmed yet: their add calls' refs
         self.pending: list[VerifyResult] = []  # outcomes the draft has not seen yet
@@ -181,6 +182,12 @@ class RemoteDraftProposer(Proposer):
     @property
     def available(self) -> bool:
         return self.channel is not None
+
+    @property
+    def busy(self) -> bool:
+        """A sequence's prefill is running on the draft's cores (which the target's share on a small host)."""
+        self._settle()
+        return bool(self.adding)
 
     def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                      features: torch.Tensor | None = None) -> None:

@@ -27,6 +27,10 @@ class Proposer(Protocol):
     """Implementations subclass it explicitly, so the optional capability below has its default."""
 
     can_propose_ahead: bool = False  # drafts the next block while the target verifies (``propose_ahead``)
+    # takes a sequence at any point of its life, from its whole context (a decoder draft: its prefill needs
+    # nothing of the target's), so the engine may leave it out while drafting does not pay (``Engine._admit``)
+    can_add_later: bool = False
+    busy: bool = False  # work of its own in flight on shared cores (a prompt's prefill): rounds now are not typical
     def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                      features: torch.Tensor | None = None) -> None:
         """Start tracking a sequence (a draft model prefills it here). ``features``: the target's

@@ -23,6 +23,7 @@ from serve_app.speculation.types import FEATURE_DTYPE, SamplingParams, VerifyRes
 class EagleProposer(DraftModelProposer):
     # A head continues from the target's features of the tokens it reads; an optimistic block has none.
     can_propose_ahead = False
+    can_add_later = False  # it reads the target's features of the prompt, which only admission has
     runner: FeatureRunner
 
     def __init__(self, runner: FeatureRunner, width: int = 32, target_vocab: int | None = None,

@@ -1,0 +1,80 @@
+"""Sequences held out of a decoder draft while drafting does not pay (``engine.deferral``): admitted
+at a batch where the policy plays plain, they cost the draft nothing; once the policy drafts two rounds
+in a row they are handed over with their whole context and draft, and the output is plain decoding's.
+Rounds that share the cores with a draft's background prefill are left out of what the policy learns."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import ray
+
+from serve_app.engine.deferral import Deferral
+from serve_app.engine.request import GenerationParams
+from serve_app.speculation.policy import FixedPolicy, RoundCosts, Row
+from serve_app.speculation.types import SamplingParams
+from tests.helpers import engine_for
+from tests.test_remote_draft import PROMPT, SLOW_ADD_S, SlowAddDraft, remote_draft
+
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef mul(a, b):", "The quick brown fox jumps over"]
+
+
+class DraftsAlone(FixedPolicy):
+    """Drafts only for a sequence running alone (as a CPU's best k falls to 0 as the batch grows)."""
+
+    def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]:
+        return [r.cap if len(rows) == 1 else 0 for r in rows]
+
+
+def test_sequences_admitted_while_plain_pays_cost_the_draft_nothing_until_it_drafts_again(tiny_models):
+    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=2)
+    engine.policy = DraftsAlone()
+    draft = engine.proposers["draft"]
+    assert isinstance(engine.deferral, Deferral)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    plain = engine.generate(prompts, GenerationParams(max_tokens=24, method="none", ignore_eos=True))
+
+    short, long = (engine.add_request(p, GenerationParams(max_tokens=n, ignore_eos=True))
+                   for p, n in zip(prompts, (4, 24), strict=True))
+    outputs: dict[str, list[int]] = {}
+    held_while_two, drafted_alone = [], 0
+    while engine.has_work:
+        for out in engine.step():
+            outputs[out.request_id] = out.token_ids
+        if len(engine.running) == 2:
+            held_while_two.append(set(draft.history.tokens))
+        drafted_alone += int(engine.last_costs.k > 0)
+    assert held_while_two and all(not held for held in held_while_two)  # two running: the draft held neither
+    assert drafted_alone > 0 and long not in engine.deferral.held
+    assert [outputs[short], outputs[long]] == [plain[0].token_ids[:4], plain[1].token_ids]
+
+
+def test_a_request_admitted_alone_goes_to_the_draft_at_once(tiny_models):
+    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=2)
+    engine.policy = DraftsAlone()
+    engine.add_request(engine.tokenizer.encode(PROMPTS[0]), GenerationParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    assert not engine.deferral.held and engine.last_costs.k == 3
+
+
+def test_rounds_during_a_drafts_background_prefill_are_not_what_the_policy_learns(cluster, tiny_models):
+    draft = remote_draft(SlowAddDraft, tiny_models)
+    ray.get(draft.actor.ping.remote())
+    draft.add_sequence("a", PROMPT, SamplingParams())
+    assert draft.busy  # its prefill runs on the draft's cores
+    time.sleep(SLOW_ADD_S * 1.5)
+    assert not draft.busy
+
+    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=2)
+    learned: list[RoundCosts] = []
+    engine.policy = type("Recorder", (FixedPolicy,), {"record_costs": lambda self, costs: learned.append(costs),
+                                                     "observe": lambda self, result: None})()
+    engine.proposers["draft"].busy = True  # as the remote draft is while a prefill runs
+    engine.generate([engine.tokenizer.encode(PROMPTS[0])], GenerationParams(max_tokens=6, ignore_eos=True))
+    assert learned and all(c.interval_s is None for c in learned)
+    engine.proposers["draft"].busy = False
+    engine.generate([engine.tokenizer.encode(PROMPTS[1])], GenerationParams(max_tokens=6, ignore_eos=True))
+    assert any(c.interval_s is not None for c in learned[-4:])
+
+
