@@ -50,7 +50,7 @@ def test_greedy_speculation_is_lossless(tiny_models, kind):
 
 
 @pytest.mark.skipif(onednn_bf16() or linear_kernel(torch.bfloat16, "cpu") != "avx2",
-                    reason="bfloat16 decoding is batch-invariant on the AVX2 kernel only (oneDNN's sums vary with rows)")
+                    reason="bfloat16 decoding is batch-invariant on the AVX2 kernel only (oneDNN's sums vary)")
 def test_an_int8_draft_changes_acceptance_never_the_output(tiny_models):
     # the target as its own draft, rounded to int8: nearly everything accepted, and in bfloat16 on the
     # batch-invariant kernel the speculative output is plain decoding's, token for token

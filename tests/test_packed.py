@@ -82,7 +82,8 @@ def test_int8_weights_compute_with_the_quantized_weight_and_each_rows_scale(shap
 
 def test_the_runner_packs_bfloat16_models_with_the_cpus_kernel_and_leaves_float32_alone(tiny_models):
     def linears(runner):
-        return {type(m).__name__ for m in runner.model.modules() if isinstance(m, (nn.Linear, PackedLinear, Avx2Linear))}
+        kinds = (nn.Linear, PackedLinear, Avx2Linear)
+        return {type(m).__name__ for m in runner.model.modules() if isinstance(m, kinds)}
 
     bf16 = ModelRunner(tiny_models["llama"], RunnerConfig(dtype="bfloat16", max_batch_size=1, max_seq_len=32))
     fp32 = ModelRunner(tiny_models["llama"], RunnerConfig(dtype="float32", max_batch_size=1, max_seq_len=32))

@@ -50,8 +50,9 @@ def extension() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
+        # -fopenmp: at::parallel_for runs on torch's threads (without it, on one)
         return load(name="serve_app_avx2_linear", sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], verbose=False)  # -fopenmp: at::parallel_for runs on torch's threads, not one
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - a missing compiler or ninja: keep F.linear
         log.warning("bfloat16 AVX2 kernel not built (%s: %s); bfloat16 linears use F.linear, several times slower "
                     "for more than one row on this CPU", type(e).__name__, e)
