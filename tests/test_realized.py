@@ -155,3 +155,22 @@ def test_each_row_keeps_its_cap_and_the_snapshot_reports_the_choice_and_realized
     assert realized["k"] in range(MAX_K + 1)
     rate = realized["tokens_per_second"][realized["k"]]
     assert rate is not None and 0.5 * best_rate(1, 0.8, seconds) < rate < 1.5 * best_rate(1, 0.8, seconds)
+
+
+def test_it_would_draft_where_it_cannot_judge_and_where_its_own_choice_drafts():
+    """``would_draft`` (a draft's prefill worth it?): yes before any drafting round was measured; then its
+    leader at the batch, or at the nearest smaller batch measured; never one of its probes."""
+    under_load = lambda batch, k: 0.020 + 0.004 * batch * (1 + k) + (0.010 + 0.006 * k if k else 0.0)  # noqa: E731
+    rows = lambda n: [Row(f"s{i}", MAX_K, "draft") for i in range(n)]  # noqa: E731
+    policy = fresh()
+    assert policy.would_draft(rows(16)) and policy.would_draft(rows(1))
+    assert not policy.would_draft([Row("s0", 0, "draft")])  # nothing may draft
+    play(policy, 400, 4, lambda t: 0.6, under_load, seen_step=0.006)
+    assert not policy.would_draft(rows(4))  # plain decoding leads at 4 ...
+    assert not policy.would_draft(rows(16))  # ... so at 16, never measured, too
+    assert policy.would_draft(rows(1))  # nothing smaller was measured: it cannot judge batch 1
+    probes = [policy.would_draft(rows(4)) for _ in range(EXPLORE_EVERY)]
+    before = pickle.dumps(policy)
+    assert not any(probes) and pickle.dumps(policy) == before
+    play(policy, 300, 1, lambda t: 0.85, true_seconds(hop=0.002, step=0.006), seen_step=0.006)
+    assert policy.would_draft(rows(1))  # measured at 1 now: drafting leads there

@@ -38,12 +38,24 @@ class BlockSizer:
             return "none", 0
         return method, k
 
-    def choose(self, requests: Sequence[Request], bounds: Sequence[int], pipelined: bool = False) -> list[int]:
-        """This round's k for each request, within ``bounds`` (the engine's hard bounds per request)."""
+    def caps(self, requests: Sequence[Request], bounds: Sequence[int]) -> list[int]:
+        """The most each request may draft this round: its k, the budget's share, ``bounds``."""
         drafting = sum(r.num_speculative_tokens > 0 for r in requests)
         share = self.draft_token_budget // drafting if self.draft_token_budget is not None and drafting else None
-        caps = [max(0, min(r.num_speculative_tokens, bound, bound if share is None else share))
+        return [max(0, min(r.num_speculative_tokens, bound, bound if share is None else share))
                 for r, bound in zip(requests, bounds, strict=True)]
+
+    def would_draft(self, requests: Sequence[Request], bounds: Sequence[int]) -> bool:
+        """Whether the policy's own choice drafts for these requests (``KPolicy.would_draft``); a seeded
+        request drafts its cap."""
+        caps = self.caps(requests, bounds)
+        seeded = any(c and r.params.sampling.seed is not None for r, c in zip(requests, caps, strict=True))
+        return seeded or self.policy.would_draft(
+            [Row(r.request_id, c, r.method) for r, c in zip(requests, caps, strict=True)])
+
+    def choose(self, requests: Sequence[Request], bounds: Sequence[int], pipelined: bool = False) -> list[int]:
+        """This round's k for each request, within ``bounds`` (the engine's hard bounds per request)."""
+        caps = self.caps(requests, bounds)
         if not any(caps):
             return caps
         free = [i for i, r in enumerate(requests) if r.params.sampling.seed is None]

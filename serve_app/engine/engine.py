@@ -235,7 +235,7 @@ class Engine:
         admitted, ready = self.admission.step(self.verifier)
         for req, _ in ready:
             self.running[req.request_id] = req
-        self.deferral.admit(ready, bool(ready) and any(self._block_sizes(list(self.running.values()))))
+        self.deferral.admit(ready, bool(ready) and self._would_draft(list(self.running.values())))
         return admitted
 
     def _propose(self, requests: Sequence[Request]) -> ProposalBlock:
@@ -243,11 +243,8 @@ class Engine:
         held = {b.seq_ids[0] for b in blocks}  # drafted ahead, and the last round kept what they rest on
         requests = [r for r in requests if r.request_id not in held]
         sizes = dict(zip((r.request_id for r in requests), self._block_sizes(requests), strict=True))
-        self.deferral.on_round(any(sizes.values()), self.running)
-        if self.deferral.held:  # not in their proposer yet: plain
-            plain = [r.request_id for r in requests if r.request_id in self.deferral.held]
-            blocks.append(ProposalBlock.make_dummy(plain, [[] for _ in plain]))
-            requests = [r for r in requests if r.request_id not in self.deferral.held]
+        plain, requests = self.deferral.split(requests, self.running, self._would_draft)
+        blocks += plain
         for method, proposer in self.proposers.items():
             group = [r.request_id for r in requests if r.method == method]
             if group:
@@ -262,6 +259,9 @@ class Engine:
         """This round's k for each request (the sizer's choice within the hard bounds)."""
         bounds = [self._bound(r, (pending or {}).get(r.request_id, 0)) for r in requests]
         return self.sizer.choose(requests, bounds, pipelined=self.verifier.can_send_ahead)
+
+    def _would_draft(self, requests: Sequence[Request]) -> bool:
+        return self.sizer.would_draft(requests, [self._bound(r) for r in requests])
 
     def _bound(self, req: Request, pending: int = 0) -> int:
         """The most a request may draft: never past max_tokens (the target adds one token of its own)

@@ -124,6 +124,11 @@ class KPolicy(Protocol):
 
     def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]: ...
 
+    def would_draft(self, rows: Sequence[Row]) -> bool:
+        """Whether these rows are worth a draft's prefill: the policy's own choice would draft for them
+        (its once-in-a-while probes aside). A pure query (``engine.deferral`` asks it)."""
+        ...
+
     def observe(self, result: VerifyResult) -> None: ...
 
     def record_costs(self, costs: RoundCosts) -> None: ...
@@ -142,6 +147,9 @@ class FixedPolicy:
 
     def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]:
         return [r.cap for r in rows]
+
+    def would_draft(self, rows: Sequence[Row]) -> bool:
+        return any(self.choose(rows))
 
     def observe(self, result: VerifyResult) -> None:
         pass
@@ -228,6 +236,9 @@ class BlockSizePolicy:
             prior = self.engine_wide.rate(j, self.prior_alpha, self.prior_weight)
             out.append(prior if mine is None else mine.rate(j, prior, self.prior_weight))
         return out
+
+    def would_draft(self, rows: Sequence[Row]) -> bool:
+        return any(self.choose(rows))
 
     def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]:
         """k for each row, to maximise expected tokens per second of this round. A pure query."""

@@ -93,9 +93,27 @@ class RealizedPolicy:
             out.append(gained / max(seconds, 1e-9))
         return out
 
-    def arm(self, rows: Sequence[Row]) -> int:
+    def leader(self, rows: Sequence[Row]) -> tuple[int, list[float]]:
+        """The arm of the highest predicted rate (the smaller k on a tie), and every arm's rate."""
         rates = self.rates(rows)
-        leader = max(range(len(rates)), key=lambda a: (rates[a], -a))
+        return max(range(len(rates)), key=lambda a: (rates[a], -a)), rates
+
+    def would_draft(self, rows: Sequence[Row]) -> bool:
+        """Whether a decoder draft's prefill is worth it for these rows (``engine.deferral``): the leader
+        drafts at their batch bucket if a drafting k was measured there; else as the nearest smaller
+        bucket measured says (drafting pays less as the batch grows, never more); else yes: only
+        sequences the draft holds can show what drafting realizes."""
+        if not any(r.cap for r in rows):
+            return False
+        b = bucket(len(rows))
+        for size in sorted((s for s in self.realized.buckets if s <= b), reverse=True):
+            weights = self.realized.buckets[size].sums["weight"]
+            if any(w > 0 for w in weights[1:]):
+                return self.leader(rows if size == b else rows[:size])[0] > 0
+        return True
+
+    def arm(self, rows: Sequence[Row]) -> int:
+        leader, rates = self.leader(rows)
         calibration = self.realized.buckets.get(bucket(len(rows)))
         if calibration is None or calibration.rounds % EXPLORE_EVERY:
             return leader
