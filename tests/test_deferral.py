@@ -78,3 +78,31 @@ def test_rounds_during_a_drafts_background_prefill_are_not_what_the_policy_learn
     assert any(c.interval_s is not None for c in learned[-4:])
 
 
+
+
+def test_a_draft_that_will_draft_takes_the_prompt_before_the_targets_prefill_and_lets_go_if_it_fails(tiny_models):
+    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=2)
+    calls: list[str] = []
+    for name, obj in (("target", engine.verifier), ("draft", engine.proposers["draft"])):
+        add, remove = obj.add_sequence, obj.remove_sequence
+        obj.add_sequence = lambda *a, _n=name, _f=add, **kw: (calls.append(f"{_n} add"), _f(*a, **kw))[1]
+        obj.remove_sequence = lambda *a, _n=name, _f=remove, **kw: (calls.append(f"{_n} remove"), _f(*a, **kw))[1]
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    engine.add_request(prompt, GenerationParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    assert calls[:2] == ["draft add", "target add"]  # the draft's prefill runs beside the target's
+    assert engine.last_costs.k == 3 and not engine.deferral.early
+
+    calls.clear()
+    target_add = engine.verifier.add_sequence
+    engine.verifier.add_sequence = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("target lost"))
+    request_id = engine.add_request(prompt, GenerationParams(max_tokens=4, ignore_eos=True))
+    try:
+        engine.step()
+    except RuntimeError:
+        pass
+    assert calls == ["draft add", "draft remove"] and not engine.deferral.early
+    assert [r.request_id for r in engine.waiting] == [request_id]  # still queued, the draft holds nothing
+    engine.verifier.add_sequence = target_add
+    while engine.has_work:
+        engine.step()

@@ -3,13 +3,15 @@
 Chunked prefill (``prefill_chunk``): a step caches at most that many prompt tokens before its round,
 continuing the prompt it started in an earlier step, so admitting a long prompt delays the running
 sequences by a chunk a round, never by the whole prompt. A sequence joins the round once its prompt
-is cached (the engine then hands it to its proposer, which prefills its own copy at once: drafts are
-small). The last prompt token is never cached here: the sequence's first round scores it.
+is cached (the engine hands it to its proposer then, or before the target's prefill when the proposer
+needs nothing of the target's: ``engine.deferral``). The last prompt token is never cached here: the
+sequence's first round scores it.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -24,10 +26,12 @@ class Admission:
         # admitted, prompt partly cached on the target (oldest first), with the features returned so far
         self.prefilling: deque[tuple[Request, list[torch.Tensor | None]]] = deque()
 
-    def step(self, verifier: Verifier) -> tuple[bool, list[tuple[Request, torch.Tensor | None]]]:
+    def step(self, verifier: Verifier, starting: Callable[[Request], Callable[[], None]] = lambda req: lambda: None
+             ) -> tuple[bool, list[tuple[Request, torch.Tensor | None]]]:
         """Cache what this step's budget allows (the prompt started earlier first). Returns whether it
         did anything, and the requests whose prompt is now all cached, with the target's features of
-        it (an EAGLE head reads them; None otherwise)."""
+        it (an EAGLE head reads them; None otherwise). ``starting(req)`` runs before the target takes a
+        new request, and returns what undoes it should the target's call fail."""
         budget, admitted, ready = self.prefill_chunk, False, []
         while budget is None or budget > 0:
             if self.prefilling:
@@ -37,7 +41,12 @@ class Admission:
             elif self.waiting and verifier.free_slots > 0:
                 req = self.waiting[0]
                 n = self._count(req, budget)
-                parts = [verifier.add_sequence(req.request_id, req.context_ids, req.params.sampling, n)]
+                undo = starting(req)
+                try:
+                    parts = [verifier.add_sequence(req.request_id, req.context_ids, req.params.sampling, n)]
+                except BaseException:
+                    undo()
+                    raise
                 self.waiting.popleft()  # only once the target holds it: a failed call leaves it queued
                 self.prefilling.append((req, parts))
             else:

@@ -22,26 +22,52 @@ from serve_app.speculation.types import ProposalBlock
 
 
 class Deferral:
-    def __init__(self, proposers: Mapping[SpeculationMethod, Proposer]):
-        self.proposers = proposers
+    def __init__(self, proposers: Mapping[SpeculationMethod, Proposer],
+                 would_draft: Callable[[Sequence[Request]], bool]):
+        """``would_draft(requests)``: whether the k policy's own choice drafts for that batch."""
+        self.proposers, self.would_draft = proposers, would_draft
         self.held: set[str] = set()  # running requests their proposer does not hold yet
+        self.early: set[str] = set()  # handed over before the target's prefill (``start``), not running yet
 
-    def admit(self, ready: Iterable[tuple[Request, torch.Tensor | None]], drafting: bool) -> None:
-        """Requests whose prompt the target now holds: to their proposer, or held unless ``drafting``
-        (whether the policy would draft at the batch they join)."""
+    def start(self, req: Request, batch: Sequence[Request]) -> Callable[[], None]:
+        """Admission is about to cache ``req``'s prompt on the target. A proposer that needs nothing of the
+        target's takes it now, if the policy would draft for ``batch`` (what it joins: the running requests
+        and those admitted with it): a remote draft's prefill then runs beside the target's instead of
+        beside the first rounds after it. Returns what undoes that if the target's call fails."""
+        proposer = self.proposers[req.method]
+        if not proposer.can_add_later or not self.would_draft(batch):
+            return lambda: None
+        proposer.add_sequence(req.request_id, req.context_ids, req.params.sampling)
+        self.early.add(req.request_id)
+
+        def undo() -> None:
+            proposer.remove_sequence(req.request_id)
+            self.early.discard(req.request_id)
+
+        return undo
+
+    def admit(self, ready: Iterable[tuple[Request, torch.Tensor | None]], running: Mapping[str, Request]) -> None:
+        """Requests whose prompt the target now holds (and now in ``running``): to their proposer, unless
+        it took them at ``start`` or can take them later and the policy would not draft for ``running``."""
+        drafting: bool | None = None
         for req, features in ready:
+            if req.request_id in self.early:
+                self.early.discard(req.request_id)
+                continue
             proposer = self.proposers[req.method]
-            if proposer.can_add_later and not drafting:
-                self.held.add(req.request_id)
-            else:
-                proposer.add_sequence(req.request_id, req.context_ids, req.params.sampling, features)
+            if proposer.can_add_later:
+                drafting = self.would_draft(list(running.values())) if drafting is None else drafting
+                if not drafting:
+                    self.held.add(req.request_id)
+                    continue
+            proposer.add_sequence(req.request_id, req.context_ids, req.params.sampling, features)
 
-    def split(self, requests: Sequence[Request], running: Mapping[str, Request],
-              would_draft: Callable[[Sequence[Request]], bool]) -> tuple[list[ProposalBlock], list[Request]]:
+    def split(self, requests: Sequence[Request], running: Mapping[str, Request]
+              ) -> tuple[list[ProposalBlock], list[Request]]:
         """Before a round's proposals: every held sequence goes to its proposer if the policy would draft
         for the running batch again. Returns the held ones' empty block (they decode plainly) and the
         requests that propose as usual."""
-        if self.held and would_draft(list(running.values())):
+        if self.held and self.would_draft(list(running.values())):
             for seq_id in self.held:
                 req = running[seq_id]
                 self.proposers[req.method].add_sequence(seq_id, req.context_ids, req.params.sampling)
@@ -54,6 +80,8 @@ class Deferral:
 
     def discard(self, seq_id: str) -> None:
         self.held.discard(seq_id)
+        self.early.discard(seq_id)
 
     def clear(self) -> None:
         self.held.clear()
+        self.early.clear()

@@ -76,7 +76,7 @@ class Engine:
         self.admission = Admission(prefill_chunk)
         self.waiting, self.prefilling = self.admission.waiting, self.admission.prefilling  # the same queues
         self.running: dict[str, Request] = {}
-        self.deferral = Deferral(self.proposers)  # sequences out of their proposer while drafting does not pay
+        self.deferral = Deferral(self.proposers, self._would_draft)  # who the draft takes, and when
         self.stats = SpecStats()
         self._ids = itertools.count()
         self.pipeline = PlainPipeline()  # plain rounds sent ahead (only where the verifier can_send_ahead)
@@ -229,13 +229,14 @@ class Engine:
         return rows
 
     def _admit(self) -> bool:
-        """Admission's step (``engine.admission``); a request whose prompt is cached enters the round and
-        its proposer, unless the k policy would not draft at the batch it joins (``engine.deferral``).
-        Returns whether anything was admitted or cached."""
-        admitted, ready = self.admission.step(self.verifier)
+        """Admission's step (``engine.admission``); a request whose prompt is cached enters the round, and
+        its proposer as ``engine.deferral`` decides. Returns whether anything was admitted or cached."""
+        joining = list(self.waiting)[:self.verifier.free_slots]  # what this step admits, at most
+        batch = [*self.running.values(), *(r for r, _ in self.prefilling), *joining]
+        admitted, ready = self.admission.step(self.verifier, lambda req: self.deferral.start(req, batch))
         for req, _ in ready:
             self.running[req.request_id] = req
-        self.deferral.admit(ready, bool(ready) and self._would_draft(list(self.running.values())))
+        self.deferral.admit(ready, self.running)
         return admitted
 
     def _propose(self, requests: Sequence[Request]) -> ProposalBlock:
@@ -243,7 +244,7 @@ class Engine:
         held = {b.seq_ids[0] for b in blocks}  # drafted ahead, and the last round kept what they rest on
         requests = [r for r in requests if r.request_id not in held]
         sizes = dict(zip((r.request_id for r in requests), self._block_sizes(requests), strict=True))
-        plain, requests = self.deferral.split(requests, self.running, self._would_draft)
+        plain, requests = self.deferral.split(requests, self.running)
         blocks += plain
         for method, proposer in self.proposers.items():
             group = [r.request_id for r in requests if r.method == method]
