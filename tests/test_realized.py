@@ -157,20 +157,19 @@ def test_each_row_keeps_its_cap_and_the_snapshot_reports_the_choice_and_realized
     assert rate is not None and 0.5 * best_rate(1, 0.8, seconds) < rate < 1.5 * best_rate(1, 0.8, seconds)
 
 
-def test_it_would_draft_where_it_cannot_judge_and_where_its_own_choice_drafts():
-    """``would_draft`` (a draft's prefill worth it?): yes before any drafting round was measured; then its
-    leader at the batch, or at the nearest smaller batch measured; never one of its probes."""
+def test_it_would_draft_for_a_sequence_alone_until_measured_and_then_as_its_own_choice_says():
+    """``would_draft`` (a draft's prefill worth it?): before any drafting round at a batch, yes for one
+    sequence, no for a batch; once measured, its leader there; never one of its probes."""
     under_load = lambda batch, k: 0.020 + 0.004 * batch * (1 + k) + (0.010 + 0.006 * k if k else 0.0)  # noqa: E731
     rows = lambda n: [Row(f"s{i}", MAX_K, "draft") for i in range(n)]  # noqa: E731
     policy = fresh()
-    assert policy.would_draft(rows(16)) and policy.would_draft(rows(1))
+    assert policy.would_draft(rows(1)) and not policy.would_draft(rows(4)) and not policy.would_draft(rows(16))
     assert not policy.would_draft([Row("s0", 0, "draft")])  # nothing may draft
     play(policy, 400, 4, lambda t: 0.6, under_load, seen_step=0.006)
-    assert not policy.would_draft(rows(4))  # plain decoding leads at 4 ...
-    assert not policy.would_draft(rows(16))  # ... so at 16, never measured, too
-    assert policy.would_draft(rows(1))  # nothing smaller was measured: it cannot judge batch 1
+    assert not policy.would_draft(rows(4))  # measured at 4: plain decoding leads
     probes = [policy.would_draft(rows(4)) for _ in range(EXPLORE_EVERY)]
     before = pickle.dumps(policy)
     assert not any(probes) and pickle.dumps(policy) == before
-    play(policy, 300, 1, lambda t: 0.85, true_seconds(hop=0.002, step=0.006), seen_step=0.006)
-    assert policy.would_draft(rows(1))  # measured at 1 now: drafting leads there
+    cheap = lambda batch, k: 0.050 + 0.0005 * batch * (1 + k) + (0.002 + 0.002 * k if k else 0.0)  # noqa: E731
+    play(policy, 300, 4, lambda t: 0.9, cheap, seen_step=0.002)
+    assert policy.would_draft(rows(4))  # drafting leads at 4 once it pays there

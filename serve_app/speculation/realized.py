@@ -100,17 +100,15 @@ class RealizedPolicy:
 
     def would_draft(self, rows: Sequence[Row]) -> bool:
         """Whether a decoder draft's prefill is worth it for these rows (``engine.deferral``): the leader
-        drafts at their batch bucket if a drafting k was measured there; else as the nearest smaller
-        bucket measured says (drafting pays less as the batch grows, never more); else yes: only
-        sequences the draft holds can show what drafting realizes."""
+        drafts at their batch bucket, once a drafting round was measured there. Before that, yes for a
+        sequence alone (only a sequence the draft holds can show what drafting realizes), no for a batch:
+        drafting pays less as the batch grows, and the rounds of sequences taken alone measure it there."""
         if not any(r.cap for r in rows):
             return False
-        b = bucket(len(rows))
-        for size in sorted((s for s in self.realized.buckets if s <= b), reverse=True):
-            weights = self.realized.buckets[size].sums["weight"]
-            if any(w > 0 for w in weights[1:]):
-                return self.leader(rows if size == b else rows[:size])[0] > 0
-        return True
+        calibration = self.realized.buckets.get(bucket(len(rows)))
+        if calibration is not None and any(w > 0 for w in calibration.sums["weight"][1:]):
+            return self.leader(rows)[0] > 0
+        return len(rows) == 1
 
     def arm(self, rows: Sequence[Row]) -> int:
         leader, rates = self.leader(rows)
