@@ -9,9 +9,11 @@ import gc
 
 import httpx
 import pytest
+import torch
 
 from serve_app.engine.plan import model_folder
 from serve_app.engine.request import GenerationParams
+from serve_app.models.packed import linear_kernel
 from serve_app.models.parts import PARTED_MODELS
 from tests.helpers import engine_for, hf_greedy
 from tests.test_serve_run import clean_machine, serve_run  # noqa: F401 - the fixture is used by name
@@ -61,6 +63,20 @@ def test_greedy_speculation_on_the_pair_equals_plain_decoding_and_transformers_i
     gc.collect()
     for prompt_ids, tokens in zip(ids, expected, strict=True):
         assert hf_greedy(target, prompt_ids, len(tokens))[: len(tokens)] == tokens
+
+
+@pytest.mark.skipif(linear_kernel(torch.bfloat16, "cpu") != "avx2",
+                    reason="bfloat16 decoding is batch-invariant on the AVX2 kernel only")
+def test_in_bfloat16_with_the_int8_draft_speculation_on_the_pair_is_plain_decoding_token_for_token():
+    # configs/coder.yaml's own setting: on the batch-invariant kernel a verified block scores each token
+    # as a one-token step does, so bf16 speculative output is plain bf16 decoding's, not just close to it
+    target, draft = model_folder(TARGET), model_folder(DRAFT)
+    engine = engine_for(target, draft=draft, k=4, batch=3, seq_len=512, dtype="bfloat16", draft_weights="int8")
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+    plain = engine.generate(ids, GenerationParams(max_tokens=48, method="none"))
+    outs = engine.generate(ids, GenerationParams(max_tokens=48))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert sum(o.stats.num_accepted_tokens for o in outs) > 0.6 * sum(o.stats.num_draft_tokens for o in outs)
 
 
 def test_serve_run_coder_answers_the_openai_client(clean_machine):  # noqa: F811
