@@ -50,6 +50,39 @@ def test_sequences_admitted_while_plain_pays_cost_the_draft_nothing_until_it_dra
     assert [outputs[short], outputs[long]] == [plain[0].token_ids[:4], plain[1].token_ids]
 
 
+class AsksAndDrafts(FixedPolicy):
+    """Drafts every row's cap and keeps the rows of every choice it is asked; its own choice drafts
+    only for a sequence alone (so a second sequence is admitted held)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[list[Row]] = []
+
+    def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]:
+        self.asked.append(list(rows))
+        return [r.cap for r in rows]
+
+    def would_draft(self, rows: Sequence[Row]) -> bool:
+        return len(rows) == 1
+
+
+def test_the_policy_sees_a_held_sequence_as_one_that_cannot_draft(tiny_models):
+    """A round where the draft holds one sequence of two is judged as what it is: the batch of two,
+    one row able to draft (else the policy learns a batch's drafting from rounds where most rows
+    decoded plainly, and drafts for one row at the whole batch's cost)."""
+    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=2)
+    engine.policy = policy = AsksAndDrafts()
+    first = engine.add_request(engine.tokenizer.encode(PROMPTS[0]), GenerationParams(max_tokens=12, ignore_eos=True))
+    engine.step()
+    second = engine.add_request(engine.tokenizer.encode(PROMPTS[1]), GenerationParams(max_tokens=12, ignore_eos=True))
+    engine.step()
+    assert second in engine.deferral.held
+    policy.asked.clear()
+    engine.step()
+    caps = {r.seq_id: r.cap for r in policy.asked[-1]}
+    assert caps == {first: 3, second: 0}
+
+
 def test_a_request_admitted_alone_goes_to_the_draft_at_once(tiny_models):
     engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=2)
     engine.policy = DraftsAlone()

@@ -67,7 +67,7 @@ class Deferral:
         """Before a round's proposals: every held sequence goes to its proposer if the policy would draft
         for the running batch again. Returns the held ones' empty block (they decode plainly) and the
         requests that propose as usual."""
-        if self.held and self.would_draft(list(running.values())):
+        if self.releasing(running):
             for seq_id in self.held:
                 req = running[seq_id]
                 self.proposers[req.method].add_sequence(seq_id, req.context_ids, req.params.sampling)
@@ -77,6 +77,10 @@ class Deferral:
         plain = [r.request_id for r in requests if r.request_id in self.held]
         rest = [r for r in requests if r.request_id not in self.held]
         return [ProposalBlock.make_dummy(plain, [[] for _ in plain])], rest
+
+    def releasing(self, running: Mapping[str, Request]) -> bool:
+        """Whether the next round's ``split`` hands the held sequences over (so that round may draft)."""
+        return bool(self.held) and self.would_draft(list(running.values()))
 
     def discard(self, seq_id: str) -> None:
         self.held.discard(seq_id)

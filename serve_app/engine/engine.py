@@ -198,7 +198,8 @@ class Engine:
         if self.verifier.can_send_ahead and not self.prefilling and not self.ahead.ready \
                 and not (self.waiting and self.verifier.free_slots > 0):  # an admission changes the batch
             self.pipeline.fill(self.verifier, result, self.running, self.eos_ids,
-                               lambda reqs, gained: any(self._block_sizes(reqs, gained)))
+                               lambda reqs, gained: any(self._block_sizes(reqs, gained))
+                               or self.deferral.releasing(self.running))
 
         outputs = []
         for i, seq_id in enumerate(result.seq_ids):
@@ -243,11 +244,11 @@ class Engine:
         blocks = self.ahead.take(r.request_id for r in requests)
         held = {b.seq_ids[0] for b in blocks}  # drafted ahead, and the last round kept what they rest on
         requests = [r for r in requests if r.request_id not in held]
+        plain, drafting = self.deferral.split(requests, self.running)
         sizes = dict(zip((r.request_id for r in requests), self._block_sizes(requests), strict=True))
-        plain, requests = self.deferral.split(requests, self.running)
         blocks += plain
         for method, proposer in self.proposers.items():
-            group = [r.request_id for r in requests if r.method == method]
+            group = [r.request_id for r in drafting if r.method == method]
             if group:
                 ks = [sizes[s] for s in group]
                 start = time.perf_counter()
@@ -257,8 +258,10 @@ class Engine:
         return ProposalBlock.concat(blocks)
 
     def _block_sizes(self, requests: Sequence[Request], pending: Mapping[str, int] | None = None) -> list[int]:
-        """This round's k for each request (the sizer's choice within the hard bounds)."""
-        bounds = [self._bound(r, (pending or {}).get(r.request_id, 0)) for r in requests]
+        """This round's k for each request (the sizer's choice within the hard bounds; a sequence its
+        proposer does not hold yet, ``engine.deferral``, cannot draft: the policy judges the round it is)."""
+        bounds = [0 if r.request_id in self.deferral.held else self._bound(r, (pending or {}).get(r.request_id, 0))
+                  for r in requests]
         return self.sizer.choose(requests, bounds, pipelined=self.verifier.can_send_ahead)
 
     def _would_draft(self, requests: Sequence[Request]) -> bool:
