@@ -1,7 +1,7 @@
 """The engine: admits requests, runs speculation rounds over the running batch, reports outputs.
 
 It talks to a target verifier and to proposers only through ``add_sequence``/``remove_sequence``
-and the typed round messages, so either side can be a local object or (next) a Ray actor handle.
+and the typed round messages, so either side can be a local object or a Ray actor handle (``serve_app.workers``).
 
 One round, for every running sequence at once (Leviathan et al. 2023, Algorithm 1, batched):
 
@@ -10,12 +10,10 @@ One round, for every running sequence at once (Leviathan et al. 2023, Algorithm 
     proposer.observe(result)                                                # roll back / extend
     each request appends result.new_tokens(i) and checks its stop conditions
 
-Plain rounds are pipelined where the target runs calls in the order sent (``engine.pipeline``).
-Each round's k per sequence comes from the block sizer (``engine.block_sizer``: request defaults, the
-draft token budget, the k policy) within the engine's hard bounds (max_tokens, cache room, tokens in
-flight). With ``overlap`` the draft drafts each sequence's next block while the target verifies this
-one (``engine.ahead``).
-Requests wait for a slot and have their prompts cached in chunks by ``engine.admission``.
+Plain rounds are pipelined where the target runs calls in the order sent (``engine.pipeline``). Each
+round's k per sequence comes from ``engine.block_sizer`` within the engine's hard bounds; ``engine.deferral``
+decides when a draft takes a sequence; with ``overlap`` the draft drafts the next block while the target
+verifies this one (``engine.ahead``); ``engine.admission`` caches prompts in chunks as slots free up.
 """
 
 from __future__ import annotations
@@ -197,9 +195,8 @@ class Engine:
         self.on_round(result, elapsed)
         if self.verifier.can_send_ahead and not self.prefilling and not self.ahead.ready \
                 and not (self.waiting and self.verifier.free_slots > 0):  # an admission changes the batch
-            self.pipeline.fill(self.verifier, result, self.running, self.eos_ids,
-                               lambda reqs, gained: any(self._block_sizes(reqs, gained))
-                               or self.deferral.releasing(self.running))
+            self.pipeline.fill(self.verifier, result, self.running, self.eos_ids, lambda reqs, gained: any(
+                self._block_sizes(reqs, gained)) or self.deferral.releasing(self.running))
 
         outputs = []
         for i, seq_id in enumerate(result.seq_ids):
@@ -258,10 +255,10 @@ class Engine:
         return ProposalBlock.concat(blocks)
 
     def _block_sizes(self, requests: Sequence[Request], pending: Mapping[str, int] | None = None) -> list[int]:
-        """This round's k for each request (the sizer's choice within the hard bounds; a sequence its
-        proposer does not hold yet, ``engine.deferral``, cannot draft: the policy judges the round it is)."""
-        bounds = [0 if r.request_id in self.deferral.held else self._bound(r, (pending or {}).get(r.request_id, 0))
-                  for r in requests]
+        """This round's k for each request: the sizer's choice within the hard bounds (0 for one its draft
+        does not hold yet, ``engine.deferral``, so the policy judges the round it is)."""
+        held, pending = self.deferral.held, pending or {}
+        bounds = [0 if r.request_id in held else self._bound(r, pending.get(r.request_id, 0)) for r in requests]
         return self.sizer.choose(requests, bounds, pipelined=self.verifier.can_send_ahead)
 
     def _would_draft(self, requests: Sequence[Request]) -> bool:
