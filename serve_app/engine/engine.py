@@ -239,8 +239,8 @@ class Engine:
 
     def _propose(self, requests: Sequence[Request]) -> ProposalBlock:
         blocks = self.ahead.take(r.request_id for r in requests)
-        held = {b.seq_ids[0] for b in blocks}  # drafted ahead, and the last round kept what they rest on
-        requests = [r for r in requests if r.request_id not in held]
+        ahead_ids = {b.seq_ids[0] for b in blocks}  # drafted ahead, and the last round kept what they rest on
+        requests = [r for r in requests if r.request_id not in ahead_ids]
         plain, drafting = self.deferral.split(requests, self.running)
         sizes = dict(zip((r.request_id for r in requests), self._block_sizes(requests), strict=True))
         blocks += plain
