@@ -26,9 +26,11 @@ class ArmRounds:
     def __init__(self, arms: int = 1):
         self.sums = {f: [0.0] * arms for f in self.FIELDS}
         self.rounds = 0
+        self.played: dict[int, int] = {}  # each arm's last round (the bucket's clock when it was played)
 
     def add(self, arm: int, batch: int, tokens: int, gained: int, seconds: float | None, expected: float) -> None:
         self.rounds += 1
+        self.played[arm] = self.rounds
         for values in self.sums.values():
             values.extend([0.0] * (arm + 1 - len(values)))
             for a in range(len(values)):
@@ -41,6 +43,10 @@ class ArmRounds:
         """Whether the arm's rounds have faded below ``STALE`` × ``share`` (an arm predicted at a share
         r of the leader's rate is retried after about ln(r²) / ln(DECAY) more rounds than one level with it)."""
         return arm >= len(self.sums["weight"]) or self.sums["weight"][arm] < STALE * share
+
+    def since_other(self, arm: int) -> int:
+        """Rounds since one played another arm than ``arm`` (every round so far if none did)."""
+        return self.rounds - max((r for a, r in self.played.items() if a != arm), default=0)
 
     def acceptance(self) -> float:
         """Drafts accepted over what the model expected, over every drafting arm (its error is the same

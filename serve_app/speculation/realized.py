@@ -22,8 +22,10 @@ Each round plays the arm of the highest predicted rate (the leader), the smaller
 k = 1 the rate against k is unimodal (each draft token adds less than the one before, and costs about
 the same), so exploration looks next to the leader, as OSUB does (Combes and Proutière, ICML 2014),
 and at plain decoding, which a fixed cost of every draft call (the hop) can put apart from the rest:
-once in ``EXPLORE_EVERY`` rounds of a bucket, one of those arms whose measurement has faded below
-``STALE`` rounds is played once. That bounds exploration to 1 round in ``EXPLORE_EVERY``, spent on the
+once ``EXPLORE_EVERY`` rounds of a bucket have gone by with the leader alone, one of those arms whose
+measurement has faded below ``STALE`` rounds is played once. A probe that falls due stays due until a
+round plays it, so plain rounds sent ahead (``engine.pipeline``) delay it by a round but never swallow
+it. That bounds exploration to 1 round in ``EXPLORE_EVERY``, spent on the
 arms nearest the best, whose rates are nearest it; an arm predicted at a share r of the leader's rate
 waits longer (``ArmRounds.stale``). Acceptance that collapses makes every drafting arm predict less at
 once and plain decoding leads; k = 1 is still retried now and then, so speculation comes back when
@@ -113,7 +115,7 @@ class RealizedPolicy:
     def arm(self, rows: Sequence[Row]) -> int:
         leader, rates = self.leader(rows)
         calibration = self.realized.buckets.get(bucket(len(rows)))
-        if calibration is None or calibration.rounds % EXPLORE_EVERY:
+        if calibration is None or calibration.since_other(leader) < EXPLORE_EVERY:
             return leader
         stale = [a for a in {leader + 1, leader - 1, 0} if 0 <= a < len(rates) and a != leader
                  and calibration.stale(a, (rates[a] / rates[leader]) ** 2)]
