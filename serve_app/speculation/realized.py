@@ -25,11 +25,11 @@ and at plain decoding, which a fixed cost of every draft call (the hop) can put 
 once ``EXPLORE_EVERY`` rounds of a bucket have gone by with the leader alone, one of those arms whose
 measurement has faded below ``STALE`` rounds is played once. A probe that falls due stays due until a
 round plays it, so plain rounds sent ahead (``engine.pipeline``) delay it by a round but never swallow
-it. That bounds exploration to 1 round in ``EXPLORE_EVERY``, spent on the
-arms nearest the best, whose rates are nearest it; an arm predicted at a share r of the leader's rate
-waits longer (``ArmRounds.stale``). Acceptance that collapses makes every drafting arm predict less at
-once and plain decoding leads; k = 1 is still retried now and then, so speculation comes back when
-it pays again (``tests/test_realized.py``).
+it. That bounds exploration to 1 round in ``EXPLORE_EVERY``, spent on the arms nearest the best, whose
+rates are nearest it; an arm predicted at a share r of the leader's rate waits longer
+(``ArmRounds.stale``). Acceptance that collapses makes every drafting arm predict less at once and plain
+decoding leads; k = 1 is still retried now and then, so speculation comes back when it pays again
+(``tests/test_realized.py``).
 
 ``choose`` is a pure query; the clock of each bucket advances in ``record_costs``, once a real round.
 """
