@@ -113,13 +113,20 @@ def test_rounds_during_a_drafts_background_prefill_are_not_what_the_policy_learn
 
 
 
-def test_a_draft_that_will_draft_takes_the_prompt_before_the_targets_prefill_and_lets_go_if_it_fails(tiny_models):
-    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=2)
+def recorded_calls(engine) -> list[str]:
+    """The order of the target's and the draft's add and remove calls from now on."""
     calls: list[str] = []
     for name, obj in (("target", engine.verifier), ("draft", engine.proposers["draft"])):
         add, remove = obj.add_sequence, obj.remove_sequence
         obj.add_sequence = lambda *a, _n=name, _f=add, **kw: (calls.append(f"{_n} add"), _f(*a, **kw))[1]
         obj.remove_sequence = lambda *a, _n=name, _f=remove, **kw: (calls.append(f"{_n} remove"), _f(*a, **kw))[1]
+    return calls
+
+
+def test_a_draft_that_will_draft_takes_the_prompt_before_the_targets_prefill_and_lets_go_if_it_fails(tiny_models):
+    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=2)
+    engine.proposers["draft"].prefills_aside = True  # as a remote draft on cores of its own
+    calls = recorded_calls(engine)
     prompt = engine.tokenizer.encode(PROMPTS[0])
     engine.add_request(prompt, GenerationParams(max_tokens=4, ignore_eos=True))
     engine.step()
@@ -139,3 +146,14 @@ def test_a_draft_that_will_draft_takes_the_prompt_before_the_targets_prefill_and
     engine.verifier.add_sequence = target_add
     while engine.has_work:
         engine.step()
+
+
+def test_a_draft_prefilling_on_the_targets_cores_takes_the_prompt_after_the_targets_prefill(tiny_models):
+    """A draft whose prefill would share the target's cores (``Proposer.prefills_aside`` false: in process,
+    or a heavy draft on a small CPU host) gets the prompt once the target holds it, and drafts at once."""
+    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=2)
+    assert not engine.proposers["draft"].prefills_aside
+    calls = recorded_calls(engine)
+    engine.add_request(engine.tokenizer.encode(PROMPTS[0]), GenerationParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    assert calls[:2] == ["target add", "draft add"] and engine.last_costs.k == 3

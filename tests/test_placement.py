@@ -94,3 +94,16 @@ def test_a_heavy_model_computing_alone_takes_every_core_and_shares_them_when_rou
     assert ThreadPlan.for_worker("draft", heavy, alone=False, cpus=2).threads(None) == 1
     assert ThreadPlan.for_worker("draft", heavy - 1, alone=True, cpus=2).threads(1) == 1
     assert ThreadPlan.for_worker("draft", heavy, alone=True, cpus=1).threads(1) == 1
+
+
+def test_a_plan_on_every_core_is_one_no_other_worker_may_compute_beside():
+    """A draft whose forwards take every core (heavy, rounds not overlapped) must not prefill beside the
+    target's work: both would stall (``workers.remote.RemoteDraftProposer.prefills_aside``)."""
+    from serve_app.workers.placement import HEAVY_WEIGHT_BYTES, ThreadPlan
+
+    heavy = HEAVY_WEIGHT_BYTES
+    assert ThreadPlan.for_worker("draft", heavy, alone=True, cpus=2).every_core(2)
+    assert not ThreadPlan.for_worker("draft", heavy - 1, alone=True, cpus=2).every_core(2)
+    assert not ThreadPlan.for_worker("draft", heavy, alone=False, cpus=2).every_core(2)
+    assert ThreadPlan.for_worker("draft", heavy - 1, alone=True, cpus=1).every_core(1)  # one core: shared
+    assert ThreadPlan.fixed(2).every_core(2) and not ThreadPlan.fixed(1).every_core(2)

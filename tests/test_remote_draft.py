@@ -4,6 +4,7 @@ to plain decoding, and plain stretches do not pile the draft's unseen outcomes u
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import ray
@@ -36,7 +37,7 @@ def test_admission_does_not_wait_for_the_draft_and_drafting_starts_once_it_is_in
     target = TargetWorker(str(tiny_models["qwen3"]), CONFIG, "CPU", num_threads=1)
     local = DraftWorker(str(tiny_models["qwen3_near"]), CONFIG, 8, 512, "CPU", 1)
     draft = remote_draft(SlowAddDraft, tiny_models)
-    ray.get(draft.actor.ping.remote())
+    assert draft.prefills_aside  # one thread of two cores: its prefill leaves the target a core
     target.add_sequence("a", PROMPT, SamplingParams())
     local.add_sequence("a", PROMPT, SamplingParams())
 
@@ -61,6 +62,26 @@ def test_admission_does_not_wait_for_the_draft_and_drafting_starts_once_it_is_in
         result = target.verify(block)
         draft.observe(result)
         local.observe((result,))
+    assert draft.failures == 0
+
+
+class EveryCoreDraft(SlowAddDraft):
+    """A slow-to-admit draft whose forwards run on every core of the host (a heavy draft on a small CPU host)."""
+
+    def info(self):
+        return dataclasses.replace(super().info(), every_core=True)
+
+
+def test_a_draft_on_every_core_prefills_before_the_next_round_not_beside_it(cluster, tiny_models):
+    """Beside the target's work, a prefill on the same cores stalls both (each forward's threads wait on
+    the other's): the replica waits for it instead, and the sequence drafts from the next round."""
+    draft = remote_draft(EveryCoreDraft, tiny_models)
+    assert not draft.prefills_aside
+    start = time.perf_counter()
+    draft.add_sequence("a", PROMPT, SamplingParams())
+    assert time.perf_counter() - start >= SLOW_ADD_S
+    assert not draft.busy
+    assert draft.propose(["a"], [3]).num_draft_tokens.tolist() == [3]
     assert draft.failures == 0
 
 

@@ -31,11 +31,13 @@ class Deferral:
 
     def start(self, req: Request, batch: Sequence[Request]) -> Callable[[], None]:
         """Admission is about to cache ``req``'s prompt on the target. A proposer that needs nothing of the
-        target's takes it now, if the policy would draft for ``batch`` (what it joins: the running requests
-        and those admitted with it): a remote draft's prefill then runs beside the target's instead of
-        beside the first rounds after it. Returns what undoes that if the target's call fails."""
+        target's and prefills aside (``Proposer.prefills_aside``: on cores of its own) takes it now, if the
+        policy would draft for ``batch`` (what it joins: the running requests and those admitted with it):
+        its prefill then runs beside the target's instead of beside the first rounds after it. One whose
+        prefill would share the target's cores takes it after (``admit``): side by side, both would stall.
+        Returns what undoes an early start if the target's call fails."""
         proposer = self.proposers[req.method]
-        if not proposer.can_add_later or not self.would_draft(batch):
+        if not (proposer.can_add_later and proposer.prefills_aside) or not self.would_draft(batch):
             return lambda: None
         proposer.add_sequence(req.request_id, req.context_ids, req.params.sampling)
         self.early.add(req.request_id)

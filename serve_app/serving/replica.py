@@ -131,7 +131,7 @@ def build_replica_engine(config: AppConfig, metrics: ReplicaMetrics | None = Non
 
         draft = RemoteDraftProposer(spawn, compiled, on_state=metrics.on_draft_state,
                                     decoder=not plan.features)  # an EAGLE head reads the target's features
-        workers["draft"] = ray.get(draft.actor.info.remote())
+        workers["draft"] = draft.info
         metrics.on_draft_state(True)
 
     engine = make_engine(plan, verifier, proposers_for(spec, draft), tokenizer,

@@ -26,6 +26,9 @@ class WorkerInfo:
     cores: tuple[int, int] | None  # (first, last) NeuronCore, when placed on neuron_cores
     visible_cores: str | None  # NEURON_RT_VISIBLE_CORES as the worker runs with it
     vocab_size: int
+    # its forwards run on every CPU core of the host (``ThreadPlan.every_core``): work of another worker beside
+    # them stalls both, so the replica never starts any (``RemoteDraftProposer.prefills_aside``)
+    every_core: bool = False
 
 
 class WorkerBase:
@@ -44,11 +47,13 @@ class WorkerBase:
         self.num_threads = num_threads
         torch.set_num_threads(num_threads or available_cpus())
 
-    def _plan_threads(self, runner: Runner, alone: bool) -> None:
+    def _plan_threads(self, runner: Runner, alone: bool, device: str) -> None:
         """Once the model is loaded: the threads of each forward (see ``EngineConfig.num_threads``)."""
         self.plan = ThreadPlan.fixed(self.num_threads) if self.num_threads else \
             ThreadPlan.for_worker(self.role, runner.weight_bytes, alone)
         torch.set_num_threads(self.plan.narrow)
+        # weight_bytes is 0 where torch's CPU threads do not compute (NeuronCores); a GPU's runner is not on them either
+        self.every_core = runner.weight_bytes > 0 and device == "cpu" and self.plan.every_core()
 
     def _threads_for(self, tokens: int | None) -> None:
         """Size torch's thread pool for a forward of ``tokens`` tokens (None: a prefill)."""
@@ -59,7 +64,7 @@ class WorkerBase:
 
         return WorkerInfo(
             self.role, os.getpid(), ray.get_runtime_context().get_node_id(), self.accelerator, self.cores,
-            os.environ.get("NEURON_RT_VISIBLE_CORES"), vocab_size,
+            os.environ.get("NEURON_RT_VISIBLE_CORES"), vocab_size, self.every_core,
         )
 
     def ping(self) -> bool:

@@ -27,7 +27,7 @@ class DraftWorker(WorkerBase):
         self._start(accelerator, num_threads)
         runner = build_runner(model_path, runner_config)
         self.proposer = self.owner = draft_proposer(runner, Path(model_path), width, target_vocab, stop_below)
-        self._plan_threads(runner, alone)
+        self._plan_threads(runner, alone, runner_config.device)
 
     def info(self) -> WorkerInfo:
         return self._info(self.proposer.runner.vocab_size)

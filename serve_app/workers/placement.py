@@ -128,5 +128,9 @@ class ThreadPlan:
     def fixed(cls, threads: int) -> ThreadPlan:
         return cls(threads, threads)
 
+    def every_core(self, cpus: int | None = None) -> bool:
+        """Whether each of its forwards takes every core: another worker's work beside it stalls both."""
+        return self.narrow >= (available_cpus() if cpus is None else cpus)
+
     def threads(self, tokens: int | None) -> int:
         return self.wide if tokens is None or tokens >= self.wide_from_tokens else self.narrow

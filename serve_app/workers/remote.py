@@ -11,7 +11,10 @@ are ordinary actor calls either way.
 The draft takes a sequence in the background: its prompt's prefill runs on the draft's cores while
 the target goes on (with ordinary calls the actor runs them in the order sent, so what follows
 finds the sequence there); the sequence drafts from the first round after the draft has it, and
-until then decodes plainly. Outcomes of rounds in which nothing drafts are handed to the draft every
+until then decodes plainly. Not where the draft's forwards take every core of the host (a heavy draft
+on a small CPU host, ``WorkerInfo.every_core``): a prefill there beside the target's work stalls both,
+each forward's threads waiting on the other's, so the replica waits for it and the sequence drafts
+from the next round. Outcomes of rounds in which nothing drafts are handed to the draft every
 ``PENDING_FLUSH`` rounds, so a plain stretch neither piles them up in the replica nor leaves them all
 to the next proposal.
 
@@ -176,6 +179,12 @@ class RemoteDraftProposer(Proposer):
         self.pending: list[VerifyResult] = []  # outcomes the draft has not seen yet
         self.failures = 0
         self.actor: Any = spawn()
+        try:
+            self.info = ray.get(self.actor.info.remote())  # waits for the model to load; raises its error
+        except RayError as e:
+            raise WorkerError.of("draft", e) from e
+        # a compiled graph's rounds are not ordered after ordinary calls: admission waits there too
+        self.prefills_aside = not compiled and not self.info.every_core
         self.channel: RoundChannel | None = RoundChannel(self.actor, "propose", compiled)
         self._starting: Any = None  # ping of a draft being restarted
 
@@ -196,10 +205,10 @@ class RemoteDraftProposer(Proposer):
         if self.pending:  # outcomes of a sequence that held this id before (a requeued one) must not reach the new one
             self._hand_over()
         ref = self.actor.add_sequence.remote(seq_id, list(prompt_ids), params, features)
-        if not self.compiled:
+        if self.prefills_aside:
             self.adding[seq_id] = ref  # the actor prefills it while the target goes on (``_settle``)
             return
-        try:  # a compiled graph's rounds are not ordered after ordinary calls: wait
+        try:
             ray.get(ref, timeout=ROUND_TIMEOUT_S)
             self.on_draft.add(seq_id)
         except (RayError, GetTimeoutError) as e:

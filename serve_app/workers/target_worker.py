@@ -25,7 +25,7 @@ class TargetWorker(WorkerBase):
         ``alone``: the draft never computes while this worker verifies (rounds not overlapped)."""
         self._start(accelerator, num_threads)
         self.verifier = self.owner = TargetVerifier(build_runner(model_path, runner_config), features, taps)
-        self._plan_threads(self.verifier.runner, alone)
+        self._plan_threads(self.verifier.runner, alone, runner_config.device)
 
     def info(self) -> WorkerInfo:
         return self._info(self.verifier.runner.vocab_size)

@@ -31,6 +31,9 @@ class Proposer(Protocol):
     # nothing of the target's), so the engine may leave it out while drafting does not pay (``Engine._admit``)
     can_add_later: bool = False
     busy: bool = False  # work of its own in flight on shared cores (a prompt's prefill): rounds now are not typical
+    # add_sequence returns at once and the prefill runs on cores the target's forwards leave free (a remote draft
+    # on cores of its own), so admission may hand it a prompt before the target's prefill (``engine.deferral``)
+    prefills_aside: bool = False
     def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                      features: torch.Tensor | None = None) -> None:
         """Start tracking a sequence (a draft model prefills it here). ``features``: the target's
