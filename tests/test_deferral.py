@@ -157,3 +157,95 @@ def test_a_draft_prefilling_on_the_targets_cores_takes_the_prompt_after_the_targ
     engine.add_request(engine.tokenizer.encode(PROMPTS[0]), GenerationParams(max_tokens=4, ignore_eos=True))
     engine.step()
     assert calls[:2] == ["target add", "draft add"] and engine.last_costs.k == 3
+
+
+class PlainWithProbes(FixedPolicy):
+    """Its own choice drafts until ``plain`` is set, then plays plain with a probe of every row's cap
+    each ``every``-th round (as ``speculation.realized`` explores while plain leads)."""
+
+    def __init__(self, every: int = 4) -> None:
+        super().__init__()
+        self.plain, self.every, self.calls = False, every, 0
+
+    def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]:
+        self.calls += 1
+        probe = self.calls % self.every == 0
+        return [r.cap if not self.plain or probe else 0 for r in rows]
+
+    def would_draft(self, rows: Sequence[Row]) -> bool:
+        return not self.plain
+
+
+def drafting_rows(engine) -> list[list[str]]:
+    """From now on, per round: the sequences that drafted."""
+    rounds: list[list[str]] = []
+    engine.on_round = lambda result, seconds: rounds.append(
+        [s for s, k in zip(result.seq_ids, result.num_draft_tokens.tolist(), strict=True) if k])
+    return rounds
+
+
+def test_a_probe_during_a_plain_stretch_drafts_with_one_sequence_so_one_draft_catches_up(tiny_models):
+    """A decoder draft holding sequences through plain rounds has every one of their tokens still to
+    read: a probe drafting for all of them pays all of it (on the pair, 1.3 s for 4 sequences 44 rounds
+    behind, against 0.23 s a round). A probe drafts with the sequence the draft is least behind on;
+    the others decode plainly that round, and the output is plain decoding's."""
+    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=2)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    plain = engine.generate(prompts, GenerationParams(max_tokens=30, method="none", ignore_eos=True))
+    engine.policy = policy = PlainWithProbes()
+    ids = [engine.add_request(p, GenerationParams(max_tokens=30, ignore_eos=True)) for p in prompts]
+    outputs: dict[str, list[int]] = {}
+    rounds = drafting_rows(engine)
+    for _ in range(2):
+        for out in engine.step():
+            outputs[out.request_id] = out.token_ids
+    assert set(rounds[-1]) == set(ids)  # both on the draft, drafting
+    policy.plain = True
+    start = len(rounds)
+    while engine.has_work:
+        for out in engine.step():
+            outputs[out.request_id] = out.token_ids
+    probes = [r for r in rounds[start:] if r]
+    assert probes and all(len(r) == 1 for r in probes)
+    assert [outputs[i] for i in ids] == [p.token_ids for p in plain]
+
+
+def test_a_round_whose_draft_catches_up_costs_what_it_cost_but_teaches_nothing_of_a_draft_step(tiny_models):
+    """After a plain stretch the draft reads every token of it first: the round's interval is what
+    drafting then costs (the policy must see it), its draft's seconds are not what a draft step costs."""
+    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=2)
+    learned: list[RoundCosts] = []
+
+    class Learns(PlainWithProbes):
+        def record_costs(self, costs: RoundCosts) -> None:
+            learned.append(costs)
+
+    engine.policy = policy = Learns(every=1000)
+    engine.add_request(engine.tokenizer.encode(PROMPTS[0]), GenerationParams(max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert learned[-1].k == 3 and learned[-1].interval_s is not None and learned[-1].draft_s
+    policy.plain = True
+    for _ in range(8):  # plain rounds: the draft falls 8 tokens behind
+        engine.step()
+    policy.plain = False
+    engine.step()
+    assert learned[-1].k == 3 and learned[-1].interval_s is not None and not learned[-1].draft_s
+    engine.step()
+    assert learned[-1].k == 3 and learned[-1].interval_s is not None and learned[-1].draft_s
+
+
+def test_a_round_that_hands_held_sequences_to_the_draft_is_not_what_the_policy_learns(tiny_models):
+    """Its interval holds the draft's prefill of their whole context so far."""
+    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=2)
+    learned: list[RoundCosts] = []
+    engine.policy = type("Learns", (DraftsAlone,), {"record_costs": lambda self, costs: learned.append(costs)})()
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    for p, n in zip(prompts, (6, 24), strict=True):
+        engine.add_request(p, GenerationParams(max_tokens=n, ignore_eos=True))
+    while len(engine.running) + len(engine.waiting) != 1 or not engine.deferral.held:
+        engine.step()
+    engine.step()  # alone: the held one is handed over, and drafts
+    assert not engine.deferral.held and learned[-1].k == 3 and learned[-1].interval_s is None
+    engine.step()
+    assert learned[-1].k == 3 and learned[-1].interval_s is not None

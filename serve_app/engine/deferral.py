@@ -7,6 +7,14 @@ plainly) when that proposer can take it later (``Proposer.can_add_later``); once
 draft for the running batch again (``KPolicy.would_draft``: its own choice, not one of its
 once-in-a-while probes), every such sequence is handed over with its whole context so far, and drafts
 from the rounds after its prefill.
+
+A decoder draft reads the tokens of a sequence it holds only when it next drafts for it: after a stretch
+of plain rounds, every token of the stretch at once (a prefill's worth, on cores the target may share).
+So a probe (a drafting round the policy's own choice would not play) drafts only for the sequence the
+draft is least behind on (``scout``): one sequence catches up, not the batch. The round's interval,
+catch-up included, is what the policy learns (what drafting there costs); the draft call's seconds
+are not a draft step's cost (``catches_up``). A round that hands held sequences over holds their
+prefill: the policy learns nothing from it (``handed_over``).
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ class Deferral:
         self.proposers, self.would_draft = proposers, would_draft
         self.held: set[str] = set()  # running requests their proposer does not hold yet
         self.early: set[str] = set()  # handed over before the target's prefill (``start``), not running yet
+        self.read: dict[str, int] = {}  # tokens of a sequence its decoder draft has read (at its last draft, hand-over)
+        self.handed_over = False  # the last ``split`` gave held sequences to their proposer
 
     def start(self, req: Request, batch: Sequence[Request]) -> Callable[[], None]:
         """Admission is about to cache ``req``'s prompt on the target. A proposer that needs nothing of the
@@ -41,10 +51,12 @@ class Deferral:
             return lambda: None
         proposer.add_sequence(req.request_id, req.context_ids, req.params.sampling)
         self.early.add(req.request_id)
+        self.read[req.request_id] = req.num_tokens
 
         def undo() -> None:
             proposer.remove_sequence(req.request_id)
             self.early.discard(req.request_id)
+            self.read.pop(req.request_id, None)
 
         return undo
 
@@ -62,6 +74,7 @@ class Deferral:
                 if not drafting:
                     self.held.add(req.request_id)
                     continue
+                self.read[req.request_id] = req.num_tokens
             proposer.add_sequence(req.request_id, req.context_ids, req.params.sampling, features)
 
     def split(self, requests: Sequence[Request], running: Mapping[str, Request]
@@ -69,16 +82,46 @@ class Deferral:
         """Before a round's proposals: every held sequence goes to its proposer if the policy would draft
         for the running batch again. Returns the held ones' empty block (they decode plainly) and the
         requests that propose as usual."""
-        if self.releasing(running):
+        self.handed_over = self.releasing(running)
+        if self.handed_over:
             for seq_id in self.held:
                 req = running[seq_id]
                 self.proposers[req.method].add_sequence(seq_id, req.context_ids, req.params.sampling)
+                self.read[seq_id] = req.num_tokens
             self.held.clear()
         if not self.held:
             return [], list(requests)
         plain = [r.request_id for r in requests if r.request_id in self.held]
         rest = [r for r in requests if r.request_id not in self.held]
         return [ProposalBlock.make_dummy(plain, [[] for _ in plain])], rest
+
+    def behind(self, req: Request) -> int | None:
+        """Tokens of ``req`` its decoder draft has still to read (None: not one that catches up)."""
+        read = self.read.get(req.request_id)
+        return None if read is None else req.num_tokens - read
+
+    def scout(self, requests: Sequence[Request], sizes: dict[str, int], running: Mapping[str, Request]) -> None:
+        """A probe (``sizes`` draft, the policy's own choice for ``running`` would not) drafts, among the
+        sequences a decoder draft holds, only for the one it is least behind on (in place)."""
+        lag = {r.request_id: n for r in requests if sizes[r.request_id] and (n := self.behind(r)) is not None}
+        if len(lag) < 2 or self.would_draft(list(running.values())):
+            return
+        keep = min(lag, key=lambda s: (lag[s], s))
+        for seq_id in lag:
+            if seq_id != keep:
+                sizes[seq_id] = 0
+
+    def catches_up(self, requests: Sequence[Request], sizes: Mapping[str, int]) -> bool:
+        """Whether this round's drafts first read more than a round's worth of tokens."""
+        return any(
+            sizes[r.request_id] and (n := self.behind(r)) is not None and n > r.num_speculative_tokens + 1
+            for r in requests)
+
+    def drafted(self, requests: Iterable[Request]) -> None:
+        """Their draft has read every token of these sequences: it drafted for them."""
+        for r in requests:
+            if r.request_id in self.read:
+                self.read[r.request_id] = r.num_tokens
 
     def releasing(self, running: Mapping[str, Request]) -> bool:
         """Whether the next round's ``split`` hands the held sequences over (so that round may draft)."""
@@ -87,7 +130,9 @@ class Deferral:
     def discard(self, seq_id: str) -> None:
         self.held.discard(seq_id)
         self.early.discard(seq_id)
+        self.read.pop(seq_id, None)
 
     def clear(self) -> None:
         self.held.clear()
         self.early.clear()
+        self.read.clear()
