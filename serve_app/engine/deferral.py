@@ -13,7 +13,7 @@ of plain rounds, every token of the stretch at once (a prefill's worth, on cores
 So a probe (a drafting round the policy's own choice would not play) drafts only for the sequence the
 draft is least behind on (``scout``): one sequence catches up, not the batch. The round's interval,
 catch-up included, is what the policy learns (what drafting there costs); the draft call's seconds
-are not a draft step's cost (``catches_up``). A round that hands held sequences over holds their
+are not a draft step's cost. A round that hands held sequences over holds their
 prefill: the policy learns nothing from it (``handed_over``).
 """
 
@@ -100,28 +100,24 @@ class Deferral:
         read = self.read.get(req.request_id)
         return None if read is None else req.num_tokens - read
 
-    def scout(self, requests: Sequence[Request], sizes: dict[str, int], running: Mapping[str, Request]) -> None:
-        """A probe (``sizes`` draft, the policy's own choice for ``running`` would not) drafts, among the
-        sequences a decoder draft holds, only for the one it is least behind on (in place)."""
+    def scout(self, requests: Sequence[Request], sizes: dict[str, int], running: Mapping[str, Request],
+              ahead: Iterable[str] = ()) -> bool:
+        """This round's ``sizes`` (in place): a probe (they draft, the policy's own choice for ``running``
+        would not) drafts, among the sequences a decoder draft holds, only for the one it is least behind
+        on. Returns whether a draft first reads more than a round's worth of tokens (``catches_up``); the
+        drafts then will have read every token of the sequences they draft for, and of those drafted
+        ahead (``ahead``)."""
         lag = {r.request_id: n for r in requests if sizes[r.request_id] and (n := self.behind(r)) is not None}
-        if len(lag) < 2 or self.would_draft(list(running.values())):
-            return
-        keep = min(lag, key=lambda s: (lag[s], s))
-        for seq_id in lag:
-            if seq_id != keep:
-                sizes[seq_id] = 0
-
-    def catches_up(self, requests: Sequence[Request], sizes: Mapping[str, int]) -> bool:
-        """Whether this round's drafts first read more than a round's worth of tokens."""
-        return any(
-            sizes[r.request_id] and (n := self.behind(r)) is not None and n > r.num_speculative_tokens + 1
-            for r in requests)
-
-    def drafted(self, requests: Iterable[Request]) -> None:
-        """Their draft has read every token of these sequences: it drafted for them."""
-        for r in requests:
-            if r.request_id in self.read:
-                self.read[r.request_id] = r.num_tokens
+        if len(lag) > 1 and not self.would_draft(list(running.values())):
+            keep = min(lag, key=lambda s: (lag[s], s))
+            for seq_id in lag:
+                sizes[seq_id] = sizes[seq_id] if seq_id == keep else 0
+        catches_up = any(sizes[r.request_id] and lag.get(r.request_id, 0) > r.num_speculative_tokens + 1
+                         for r in requests)
+        for seq_id in [*(r.request_id for r in requests if sizes[r.request_id]), *ahead]:
+            if seq_id in self.read:
+                self.read[seq_id] = running[seq_id].num_tokens
+        return catches_up
 
     def releasing(self, running: Mapping[str, Request]) -> bool:
         """Whether the next round's ``split`` hands the held sequences over (so that round may draft)."""

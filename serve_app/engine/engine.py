@@ -170,7 +170,6 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Admit what fits, run one speculation round; return an output for every running request."""
         overhead, admitted = None, False
-        self.deferral.handed_over = False  # set again where this step proposes (``Deferral.split``)
         ahead_blocks: list[Drafted] = []
         if self.pipeline:  # a plain round sent ahead by an earlier step
             wait, start = self.pipeline.pop()
@@ -184,14 +183,12 @@ class Engine:
                 return []
             start = time.perf_counter()
             block = self._propose(list(self.running.values()))
+            admitted = admitted or self.deferral.handed_over  # the draft's prefill of sequences handed over ran
             verify_start = time.perf_counter()
             result, ahead_blocks = self.ahead.verify(self.verifier, block, self._ahead_rows(block))
         for proposer in self.proposers.values():
             proposer.observe(result)
-        # a round that shared the cores with a prefill (the target's admission, a draft's background one,
-        # or its prefill of sequences handed over) is not what a round costs: its interval is left out of
-        # what the policy learns
-        disturbed = admitted or self.deferral.handed_over or any(p.busy for p in self.proposers.values())
+        disturbed = admitted or any(p.busy for p in self.proposers.values())  # beside a prefill: not what a round costs
         elapsed, self.last_costs = self.timer.finish(result, start, verify_start, overhead, disturbed)
         self.sizer.on_round(result, self.last_costs)
         self.on_round(result, elapsed)
@@ -245,8 +242,7 @@ class Engine:
         requests = [r for r in requests if r.request_id not in ahead_ids]
         plain, drafting = self.deferral.split(requests, self.running)
         sizes = dict(zip((r.request_id for r in requests), self._block_sizes(requests), strict=True))
-        self.deferral.scout(drafting, sizes, self.running)
-        catching_up = self.deferral.catches_up(drafting, sizes)  # its call's seconds are not a draft step's
+        catching_up = self.deferral.scout(drafting, sizes, self.running, ahead_ids)  # not a draft step's seconds
         blocks += plain
         for method, proposer in self.proposers.items():
             group = [r.request_id for r in drafting if r.method == method]
@@ -256,7 +252,6 @@ class Engine:
                 blocks.append(proposer.propose(group, ks))
                 if any(ks) and not catching_up:
                     self.timer.drafted(method, max(ks), time.perf_counter() - start)
-        self.deferral.drafted([*(r for r in drafting if sizes[r.request_id]), *(self.running[s] for s in ahead_ids)])
         return ProposalBlock.concat(blocks)
 
     def _block_sizes(self, requests: Sequence[Request], pending: Mapping[str, int] | None = None) -> list[int]:
