@@ -110,8 +110,8 @@ class Deferral:
         lag = {r.request_id: n for r in requests if sizes[r.request_id] and (n := self.behind(r)) is not None}
         if len(lag) > 1 and not self.would_draft(list(running.values())):
             keep = min(lag, key=lambda s: (lag[s], s))
-            for seq_id in lag:
-                sizes[seq_id] = sizes[seq_id] if seq_id == keep else 0
+            for seq_id in lag.keys() - {keep}:
+                sizes[seq_id] = 0
         catches_up = any(sizes[r.request_id] and lag.get(r.request_id, 0) > r.num_speculative_tokens + 1
                          for r in requests)
         for seq_id in [*(r.request_id for r in requests if sizes[r.request_id]), *ahead]:
