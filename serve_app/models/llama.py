@@ -57,6 +57,20 @@ class Batch:
     # [batch * kv_heads, groups * T, L] float32, 0 or -inf: the mask as an additive score bias, for
     # attention outside SDPA (``attend``); made once per forward by ``CausalLM.run_layers``
     score_bias: torch.Tensor | None = None
+    # [n] int64: where the n real tokens sit in the flattened [batch * T] grid; None when none is padding
+    real: torch.Tensor | None = None
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """``[batch, T, ...]`` to the real tokens' rows ``[n, ...]`` (``x`` itself without padding)."""
+        return x if self.real is None else x.flatten(0, 1)[self.real]
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """``pack``'s inverse: ``[n, ...]`` back to ``[batch, T, ...]``, zeros at the padding."""
+        if self.real is None:
+            return x
+        B, T = self.tokens.shape
+        out = x.new_zeros((B * T, *x.shape[1:])).index_copy_(0, self.real, x)
+        return out.view(B, T, *x.shape[1:])
 
 
 class KVCache(nn.Module):
@@ -121,8 +135,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch,
                 cache: KVCache) -> torch.Tensor:
-        B, T, _ = x.shape
-        qkv = self.qkv_proj(x).view(B, T, self.heads + 2 * self.kv_heads, self.head_dim)
+        """``x``: the real tokens (``Batch.pack``); the cache and the attention see the padded grid."""
+        B, T = batch.tokens.shape
+        qkv = batch.unpack(self.qkv_proj(x)).view(B, T, self.heads + 2 * self.kv_heads, self.head_dim)
         qk, v = qkv[:, :, : self.heads + self.kv_heads], qkv[:, :, self.heads + self.kv_heads:]
         if self.q_norm is not None:
             q, k = self.q_norm(qk[:, :, : self.heads]), self.k_norm(qk[:, :, self.heads:])
@@ -130,7 +145,7 @@ class Attention(nn.Module):
         qk = rotate(qk, cos, sin)  # q and k heads rotated together
         keys, values = cache.update(batch, torch.stack((qk[:, :, self.heads:], v), dim=2))
         out = attend(qk[:, :, : self.heads].transpose(1, 2), keys, values, batch)  # [batch, heads, T, head_dim]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+        return self.o_proj(batch.pack(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)))
 
 
 def score_bias(mask: torch.Tensor, kv_heads: int, groups: int) -> torch.Tensor:
@@ -265,12 +280,13 @@ class CausalLM(nn.Module):
             batch = replace(batch, score_bias=score_bias(batch.mask, attn.kv_heads, attn.heads // attn.kv_heads))
         cos = self.cos[batch.positions][:, :, None]  # [batch, T, 1, head_dim]
         sin = self.sin[batch.positions][:, :, None]
+        x = batch.pack(x)  # the layers compute the real tokens only, not a ragged block's padding
         tapped = []
         for n, (layer, cache) in enumerate(zip(self.model.layers, self.caches, strict=True), start=1):
             x = layer(x, cos, sin, batch, cache)
             if n in taps:
                 tapped.append(F.rms_norm(x.float(), (x.shape[-1],), eps=1e-6).to(x.dtype))
             if n == depth:
-                return torch.cat(tapped, dim=-1)
+                return batch.unpack(torch.cat(tapped, dim=-1))
         x = self.model.norm(x)
-        return torch.cat((*tapped, x), dim=-1) if tapped else x
+        return batch.unpack(torch.cat((*tapped, x), dim=-1) if tapped else x)

@@ -132,10 +132,16 @@ class ModelRunner(SequenceSlots):
         """``forward``'s logits and the final-norm hidden states they came from (same rows), preceded
         by the ``taps`` as in ``prefill``."""
         hidden, lengths = self.hidden_states(seq_ids, tokens, features, taps)
+        width = self.hf_config.hidden_size
         if logits == "last":
             last = torch.tensor(lengths, device=hidden.device) - 1
             hidden = hidden[torch.arange(len(seq_ids), device=hidden.device), last]
-        return self.model.lm_head(hidden[..., -self.hf_config.hidden_size:]).float(), hidden
+        elif sum(lengths) < hidden.shape[0] * hidden.shape[1]:  # a ragged block: the head skips the padding
+            device = hidden.device
+            real = torch.arange(hidden.shape[1], device=device) < torch.tensor(lengths, device=device)[:, None]
+            out = self.model.lm_head(hidden[real][:, -width:]).float()
+            return out.new_zeros((*real.shape, out.shape[-1])).index_put_((real,), out), hidden
+        return self.model.lm_head(hidden[..., -width:]).float(), hidden
 
     @torch.inference_mode()
     def hidden_states(self, seq_ids: Sequence[str], tokens: Sequence[Sequence[int]],
@@ -185,6 +191,9 @@ class ModelRunner(SequenceSlots):
         slot_list = [self._slot[s] for s in seq_ids]
         consecutive = slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list)))
         slots = torch.tensor(slot_list, dtype=torch.long)
+        real = None
+        if sum(lengths) < len(seq_ids) * T:  # padding: the layers compute the real tokens only (Batch.pack)
+            real = (torch.arange(T) < torch.tensor(lengths)[:, None]).flatten().nonzero()[:, 0].to(device)
         batch = Batch(tok.to(device), pos.to(device), slots.to(device), mask.to(device), context_len,
-                      (slot_list[0], slot_list[-1] + 1) if consecutive else None)
+                      (slot_list[0], slot_list[-1] + 1) if consecutive else None, real=real)
         return batch, lengths
