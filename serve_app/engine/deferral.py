@@ -8,8 +8,9 @@ draft for the running batch again (``KPolicy.would_draft``: its own choice, not 
 once-in-a-while probes), every such sequence is handed over with its whole context so far, and drafts
 from the rounds after its prefill.
 
-A decoder draft reads the tokens of a sequence it holds only when it next drafts for it: after a stretch
-of plain rounds, every token of the stretch at once (a prefill's worth, on cores the target may share).
+A decoder draft, and an EAGLE head (``Proposer.reads_late``), reads the tokens of a sequence it holds
+only when it next drafts for it: after a stretch of plain rounds, every token of the stretch at once (a
+prefill's worth, on cores the target may share; a head holds every sequence from its admission).
 So a probe (a drafting round the policy's own choice would not play) drafts only for the sequence the
 draft is least behind on (``scout``): one sequence catches up, not the batch. The round's interval,
 catch-up included, is what the policy learns (what drafting there costs); the draft call's seconds
@@ -36,7 +37,7 @@ class Deferral:
         self.proposers, self.would_draft = proposers, would_draft
         self.held: set[str] = set()  # running requests their proposer does not hold yet
         self.early: set[str] = set()  # handed over before the target's prefill (``start``), not running yet
-        self.read: dict[str, int] = {}  # tokens of a sequence its decoder draft has read (at its last draft, hand-over)
+        self.read: dict[str, int] = {}  # tokens of a sequence its draft has read (``reads_late``: at its last draft)
         self.handed_over = False  # the last ``split`` gave held sequences to their proposer
 
     def start(self, req: Request, batch: Sequence[Request]) -> Callable[[], None]:
@@ -74,6 +75,7 @@ class Deferral:
                 if not drafting:
                     self.held.add(req.request_id)
                     continue
+            if proposer.reads_late:
                 self.read[req.request_id] = req.num_tokens
             proposer.add_sequence(req.request_id, req.context_ids, req.params.sampling, features)
 
@@ -96,14 +98,14 @@ class Deferral:
         return [ProposalBlock.make_dummy(plain, [[] for _ in plain])], rest
 
     def behind(self, req: Request) -> int | None:
-        """Tokens of ``req`` its decoder draft has still to read (None: not one that catches up)."""
+        """Tokens of ``req`` its draft has still to read (None: not one that catches up)."""
         read = self.read.get(req.request_id)
         return None if read is None else req.num_tokens - read
 
     def scout(self, requests: Sequence[Request], sizes: dict[str, int], running: Mapping[str, Request],
               ahead: Iterable[str] = ()) -> bool:
         """This round's ``sizes`` (in place): a probe (they draft, the policy's own choice for ``running``
-        would not) drafts, among the sequences a decoder draft holds, only for the one it is least behind
+        would not) drafts, among the sequences a ``reads_late`` draft holds, only for the one it is least behind
         on. Returns whether a draft first reads more than a round's worth of tokens (``catches_up``); the
         drafts then will have read every token of the sequences they draft for, and of those drafted
         ahead (``ahead``)."""

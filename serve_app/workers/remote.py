@@ -174,6 +174,7 @@ class RemoteDraftProposer(Proposer):
         and takes a sequence at any point of its life (``Proposer.can_add_later``)."""
         self.spawn, self.compiled, self.on_state = spawn, compiled, on_state
         self.can_propose_ahead = self.can_add_later = decoder
+        self.reads_late = True  # a decoder draft or an EAGLE head
         self.on_draft: set[str] = set()  # sequences the current draft actor holds
         self.adding: dict[str, Any] = {}  # sequences sent to it, not confirmed yet: their add calls' refs
         self.pending: list[VerifyResult] = []  # outcomes the draft has not seen yet

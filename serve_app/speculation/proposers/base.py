@@ -34,6 +34,10 @@ class Proposer(Protocol):
     # add_sequence returns at once and the prefill runs on cores the target's forwards leave free (a remote draft
     # on cores of its own), so admission may hand it a prompt before the target's prefill (``engine.deferral``)
     prefills_aside: bool = False
+    # reads a sequence's new tokens only when it next drafts for it (a draft model, an EAGLE head): after a
+    # stretch of plain rounds, the whole stretch at once (``engine.deferral`` keeps probes from paying it)
+    reads_late: bool = False
+
     def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                      features: torch.Tensor | None = None) -> None:
         """Start tracking a sequence (a draft model prefills it here). ``features``: the target's

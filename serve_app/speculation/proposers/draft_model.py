@@ -36,6 +36,7 @@ DRAFT_SEED_OFFSET = 0x5EED  # the draft's generator must not replay the target's
 class DraftModelProposer(Proposer):
     can_propose_ahead = True  # overlapped rounds: see propose_ahead
     can_add_later = True
+    reads_late = True
     def __init__(self, runner: Runner, width: int = 32, target_vocab: int | None = None,
                  vocab_map: list[int] | None = None, stop_below: float = 0.0):
         """``width``: support size K of the shipped q'. ``target_vocab``: the target's vocabulary size;

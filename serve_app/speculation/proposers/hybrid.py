@@ -63,6 +63,10 @@ class HybridProposer(Proposer):
     def prefills_aside(self) -> bool:  # type: ignore[override]  # the draft's, read-only
         return self.draft.prefills_aside
 
+    @property
+    def reads_late(self) -> bool:  # type: ignore[override]  # the draft's, read-only
+        return self.draft.reads_late
+
     def _draft_rows(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> tuple[list[str], list[int]]:
         return list(seq_ids), [k if s in self.by_draft else 0 for s, k in zip(seq_ids, num_tokens, strict=True)]
 
