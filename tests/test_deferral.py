@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import pytest
 import ray
 
 from serve_app.engine.deferral import Deferral
@@ -184,12 +185,20 @@ def drafting_rows(engine) -> list[list[str]]:
     return rounds
 
 
-def test_a_probe_during_a_plain_stretch_drafts_with_one_sequence_so_one_draft_catches_up(tiny_models):
-    """A decoder draft holding sequences through plain rounds has every one of their tokens still to
-    read: a probe drafting for all of them pays all of it (on the pair, 1.3 s for 4 sequences 44 rounds
-    behind, against 0.23 s a round). A probe drafts with the sequence the draft is least behind on;
-    the others decode plainly that round, and the output is plain decoding's."""
-    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=2)
+@pytest.mark.parametrize("draft", ["decoder", "eagle"])
+def test_a_probe_during_a_plain_stretch_drafts_with_one_sequence_so_one_draft_catches_up(tiny_models, request,
+                                                                                         draft):
+    """A draft holding sequences through plain rounds has every one of their tokens still to read: a
+    probe drafting for all of them pays all of it (a decoder draft on the pair: 1.3 s for 4 sequences 44
+    rounds behind, against 0.23 s a round; an EAGLE head, which reads the target's features of the
+    stretch, on the embedded model at 16 streams: 0.04-0.25 s in the head, 0.22-0.35 s a round against
+    0.11 s). A probe drafts with the sequence the draft is least behind on (an EAGLE head holds every
+    sequence from admission, as it needs the prompt's features, and is cut all the same); the others
+    decode plainly that round, and the output is plain decoding's."""
+    if draft == "eagle":
+        engine = engine_for(tiny_models["llama"], draft=request.getfixturevalue("tiny_eagle") / "draft", k=3, batch=2)
+    else:
+        engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=2)
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     plain = engine.generate(prompts, GenerationParams(max_tokens=30, method="none", ignore_eos=True))
     engine.policy = policy = PlainWithProbes()
@@ -199,34 +208,7 @@ def test_a_probe_during_a_plain_stretch_drafts_with_one_sequence_so_one_draft_ca
     for _ in range(2):
         for out in engine.step():
             outputs[out.request_id] = out.token_ids
-    assert set(rounds[-1]) == set(ids)  # both on the draft, drafting
-    policy.plain = True
-    start = len(rounds)
-    while engine.has_work:
-        for out in engine.step():
-            outputs[out.request_id] = out.token_ids
-    probes = [r for r in rounds[start:] if r]
-    assert probes and all(len(r) == 1 for r in probes)
-    assert [outputs[i] for i in ids] == [p.token_ids for p in plain]
-
-
-def test_a_probe_of_an_eagle_head_during_a_plain_stretch_drafts_with_one_sequence(tiny_models, tiny_eagle):
-    """An EAGLE head reads the target's features of a plain stretch only when it next drafts: served on
-    the embedded model at 16 streams, a probe drafting for all 16 paid 0.04-0.25 s of that in the head
-    (0.22-0.35 s a round against 0.11 s for a plain one). It holds every sequence from admission (it
-    needs the prompt's features), but a probe drafts with the one it is least behind on all the same,
-    and the output is plain decoding's."""
-    engine = engine_for(tiny_models["llama"], draft=tiny_eagle / "draft", k=3, batch=2)
-    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
-    plain = engine.generate(prompts, GenerationParams(max_tokens=30, method="none", ignore_eos=True))
-    engine.policy = policy = PlainWithProbes()
-    ids = [engine.add_request(p, GenerationParams(max_tokens=30, ignore_eos=True)) for p in prompts]
-    outputs: dict[str, list[int]] = {}
-    rounds = drafting_rows(engine)
-    for _ in range(2):
-        for out in engine.step():
-            outputs[out.request_id] = out.token_ids
-    assert set(rounds[-1]) == set(ids) and not engine.deferral.held  # the head holds both, drafting
+    assert set(rounds[-1]) == set(ids) and not engine.deferral.held  # both on the draft, drafting
     policy.plain = True
     start = len(rounds)
     while engine.has_work:
