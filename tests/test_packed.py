@@ -10,7 +10,7 @@ from torch import nn
 
 from serve_app.models.avx2_linear import Avx2Linear, cpu_has_avx2, extension, quantize_int8
 from serve_app.models.base import RunnerConfig
-from serve_app.models.packed import PackedLinear, linear_kernel, onednn_bf16, pack_linears
+from serve_app.models.packed import WIDE_FROM_ROWS, PackedLinear, linear_kernel, onednn_bf16, pack_linears
 from serve_app.models.runner import ModelRunner
 
 needs_onednn = pytest.mark.skipif(not onednn_bf16(), reason="no oneDNN bfloat16 on this CPU or in this torch build")
@@ -78,6 +78,23 @@ def test_int8_weights_compute_with_the_quantized_weight_and_each_rows_scale(shap
         exact = (x.double() @ q.double().T) * scale.double() + (0 if linear.bias is None else linear.bias.double())
     assert got.dtype == torch.bfloat16 and got.shape == (*shape[:-1], 50)
     assert (got.double() - exact).abs().max() <= exact.abs().max() * 2**-8 + 1e-6
+
+
+@needs_onednn
+@needs_avx2
+def test_int8_weights_run_a_forward_of_many_rows_on_onednn_in_bfloat16():
+    # a decode step (few rows) reads half the bytes on the int8 kernel; a prefill or a large batch is
+    # compute-bound there, and oneDNN's bfloat16 kernel runs it about twice as fast (models.packed)
+    torch.manual_seed(3)
+    linear = nn.Linear(300, 50, bias=True).to(torch.bfloat16)
+    model = nn.Sequential(linear)
+    assert pack_linears(model, "avx2", "int8") == 1
+    x = torch.randn(1, 2 * WIDE_FROM_ROWS, 300, dtype=torch.bfloat16)
+    few, many = x[:, :WIDE_FROM_ROWS - 1], x[:, :WIDE_FROM_ROWS]
+    with torch.no_grad():
+        assert torch.equal(model(few), Avx2Linear(linear, "int8")(few))
+        assert torch.equal(model(many), PackedLinear(linear)(many))
+        assert torch.equal(model(x), PackedLinear(linear)(x))
 
 
 def test_the_runner_packs_bfloat16_models_with_the_cpus_kernel_and_leaves_float32_alone(tiny_models):

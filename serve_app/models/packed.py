@@ -7,6 +7,10 @@ Two kernels, by what the CPU does natively (``linear_kernel``):
   and inductor's ``freezing`` do) halves a batch-1 matmul (lm_head 1.9 -> 1.0 ms, gate_up 80 -> 36 us
   on such a CPU) and gives bit-identical results: the same kernel runs, only the layout changes.
 - ``avx2``: an AVX2-only CPU, where oneDNN refuses bfloat16 (``models.avx2_linear``).
+int8 weights (a draft's) run on the AVX2 kernel: a decode step reads half the bytes. Where the CPU
+also has oneDNN bfloat16, a forward of ``WIDE_FROM_ROWS`` rows or more (a prefill, a catch-up, a large
+batch) runs there on a bfloat16 copy instead (``Int8Linear``): the int8 kernel converts in registers and
+is compute-bound at many rows.
 float32 is left alone: its packed kernel rounds differently from ``F.linear``, and float32 is the
 dtype tests compare bit for bit with Hugging Face.
 """
@@ -21,6 +25,7 @@ from torch import nn
 from serve_app.models.avx2_linear import Avx2Linear, Weights, extension
 
 LinearKernel = Literal["onednn", "avx2"]
+WIDE_FROM_ROWS = 8  # int8 weights: a forward of this many rows or more runs on oneDNN (``Int8Linear``)
 
 
 def onednn_bf16() -> bool:
@@ -57,13 +62,34 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+class Int8Linear(nn.Module):
+    """int8 weights on a CPU with oneDNN bfloat16: few rows on the AVX2 int8 kernel, many on oneDNN.
+
+    Measured (AMD Zen 4, 2 threads, the 0.5 B draft's 151936 x 896 output layer, int8 / bfloat16 ms):
+    6.1 / 10.3 at 1 row, 8.5 / 9.5 at 4, 18.9 / 14.6 at 8, 260 / 123 at 150; the draft's prefill of 150
+    tokens 642 / 348 ms, its decode step 29.7 / 56.0. Costs the bfloat16 weights' memory besides the int8."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.narrow, self.wide = Avx2Linear(linear, "int8"), PackedLinear(linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.wide if x.numel() >= WIDE_FROM_ROWS * self.in_features else self.narrow)(x)
+
+
 def pack_linears(model: nn.Module, kernel: LinearKernel = "onednn", weights: Weights = "bfloat16") -> int:
-    """Replace every ``nn.Linear`` of an inference model by a packed one (int8 weights: the AVX2 kernel's);
-    returns how many."""
+    """Replace every ``nn.Linear`` of an inference model by a packed one (int8 weights: the AVX2 kernel's,
+    and oneDNN's for many rows where the CPU has it); returns how many."""
+    def packed(linear: nn.Linear) -> nn.Module:
+        if kernel == "onednn":
+            return PackedLinear(linear)
+        return Int8Linear(linear) if weights == "int8" and onednn_bf16() else Avx2Linear(linear, weights)
+
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child) if kernel == "onednn" else Avx2Linear(child, weights))
+                setattr(module, name, packed(child))
                 count += 1
     return count
