@@ -142,6 +142,22 @@ def test_it_leaves_speculation_when_acceptance_collapses_and_returns_when_it_rec
     assert realized_rate(recovered) >= 0.95 * best_rate(1, 0.85, seconds)
 
 
+@pytest.mark.parametrize("ahead", [0, 2])
+def test_a_rejected_first_block_and_a_rejected_probe_do_not_stop_speculation_for_dozens_of_rounds(ahead):
+    """Served at one stream (issue 26): a fresh replica's first block and the probe after it were both
+    rejected (the start of an answer is the hardest to guess), and then plain decoding led for 30-60
+    rounds, though each later block was mostly accepted: the drafts' acceptance against the model's
+    was a ratio of one or two rounds' counts, 0. Here a plain round is nearly as dear as a drafting one
+    (the target's call about flat at few tokens, the draft cheap), as on the embedded model."""
+    seconds = lambda batch, k: 0.038 + 0.001 * batch * (1 + k) + (0.003 + 0.001 * k if k else 0.0)  # noqa: E731
+    alpha = lambda t: 0.0 if t < 12 else 0.85  # noqa: E731
+    rounds = play(fresh(), 72, 1, alpha, seconds, seen_step=0.001, ahead=ahead)
+    assert rounds[0][0] > 0 and rounds[0][1] == 1  # it drafted first, and the target rejected all of it
+    after = rounds[12:]
+    assert sum(a == 0 for a, _, _ in after) <= 0.1 * len(after)
+    assert realized_rate(after) >= 0.9 * best_rate(1, 0.85, seconds)
+
+
 def test_its_choice_has_no_side_effect_and_its_clock_advances_once_a_round():
     policy = fresh()
     seconds = true_seconds(hop=0.002, step=0.006)

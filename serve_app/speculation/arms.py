@@ -11,6 +11,7 @@ from __future__ import annotations
 
 DECAY = 0.97  # per round of a bucket: an arm's sums follow about its last 30 rounds
 STALE = 0.5  # an arm's weight below this (about 23 rounds after one was played) is stale
+PRIOR_DRAFTS = 4.0  # the model's acceptance counts as this many expected drafts, entered before the first round
 
 
 def bucket(batch: int) -> int:
@@ -50,10 +51,14 @@ class ArmRounds:
 
     def acceptance(self) -> float:
         """Drafts accepted over what the model expected, over every drafting arm (its error is the same
-        at every k: the acceptance it reads); 1 before any."""
+        at every k: the acceptance it reads). The model's own acceptance is the prior: ``PRIOR_DRAFTS``
+        expected drafts all accepted as expected, entered before the bucket's first round and decaying
+        like any round's counts. So one rejected block does not read as a draft that is never right (a
+        ratio of one round's counts: 0), while after a long stretch only what rounds realized counts."""
         batch = sum(self.sums["batch"][1:])
-        expected = sum(self.sums["expected"][1:]) - batch
-        return (sum(self.sums["gained"][1:]) - batch) / expected if expected > 0 else 1.0
+        prior = PRIOR_DRAFTS * DECAY ** self.rounds
+        expected = sum(self.sums["expected"][1:]) - batch + prior
+        return (sum(self.sums["gained"][1:]) - batch + prior) / expected if expected > 0 else 1.0
 
     def tokens_per_second(self, arm: int) -> float | None:
         """What the arm's rounds realized lately, or None where it is stale."""
