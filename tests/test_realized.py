@@ -143,15 +143,23 @@ def test_it_leaves_speculation_when_acceptance_collapses_and_returns_when_it_rec
 
 
 @pytest.mark.parametrize("ahead", [0, 2])
-def test_a_rejected_first_block_and_a_rejected_probe_do_not_stop_speculation_for_dozens_of_rounds(ahead):
+@pytest.mark.parametrize("plain_before", [0, 300])
+def test_a_rejected_first_block_and_a_rejected_probe_do_not_stop_speculation_for_dozens_of_rounds(
+        ahead, plain_before):
     """Served at one stream (issue 26): a fresh replica's first block and the probe after it were both
     rejected (the start of an answer is the hardest to guess), and then plain decoding led for 30-60
     rounds, though each later block was mostly accepted: the drafts' acceptance against the model's
     was a ratio of one or two rounds' counts, 0. Here a plain round is nearly as dear as a drafting one
-    (the target's call about flat at few tokens, the draft cheap), as on the embedded model."""
+    (the target's call about flat at few tokens, the draft cheap), as on the embedded model. Also after
+    ``plain_before`` rounds of requests that asked for plain decoding (``num_speculative_tokens: 0``)."""
     seconds = lambda batch, k: 0.038 + 0.001 * batch * (1 + k) + (0.003 + 0.001 * k if k else 0.0)  # noqa: E731
     alpha = lambda t: 0.0 if t < 12 else 0.85  # noqa: E731
-    rounds = play(fresh(), 72, 1, alpha, seconds, seen_step=0.001, ahead=ahead)
+    policy = fresh()
+    for _ in range(plain_before):
+        policy.observe(VerifyResult(("p",), torch.tensor([0]), torch.tensor([0]), torch.full((1, 1), 7)))
+        policy.record_costs(RoundCosts(1, 0.021, {}, 0.003, 1, seconds(1, 0), 1, 0))
+    policy.forget("p")
+    rounds = play(policy, 72, 1, alpha, seconds, seen_step=0.001, ahead=ahead)
     assert rounds[0][0] > 0 and rounds[0][1] == 1  # it drafted first, and the target rejected all of it
     after = rounds[12:]
     assert sum(a == 0 for a, _, _ in after) <= 0.1 * len(after)

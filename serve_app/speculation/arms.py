@@ -11,7 +11,7 @@ from __future__ import annotations
 
 DECAY = 0.97  # per round of a bucket: an arm's sums follow about its last 30 rounds
 STALE = 0.5  # an arm's weight below this (about 23 rounds after one was played) is stale
-PRIOR_DRAFTS = 4.0  # the model's acceptance counts as this many expected drafts, entered before the first round
+PRIOR_DRAFTS = 4.0  # the model's acceptance counts as this many expected drafts before a bucket's first drafting round
 
 
 def bucket(batch: int) -> int:
@@ -27,10 +27,12 @@ class ArmRounds:
     def __init__(self, arms: int = 1):
         self.sums = {f: [0.0] * arms for f in self.FIELDS}
         self.rounds = 0
+        self.drafting = 0  # rounds that drafted
         self.played: dict[int, int] = {}  # each arm's last round (the bucket's clock when it was played)
 
     def add(self, arm: int, batch: int, tokens: int, gained: int, seconds: float | None, expected: float) -> None:
         self.rounds += 1
+        self.drafting += arm > 0
         self.played[arm] = self.rounds
         for values in self.sums.values():
             values.extend([0.0] * (arm + 1 - len(values)))
@@ -52,11 +54,12 @@ class ArmRounds:
     def acceptance(self) -> float:
         """Drafts accepted over what the model expected, over every drafting arm (its error is the same
         at every k: the acceptance it reads). The model's own acceptance is the prior: ``PRIOR_DRAFTS``
-        expected drafts all accepted as expected, entered before the bucket's first round and decaying
-        like any round's counts. So one rejected block does not read as a draft that is never right (a
-        ratio of one round's counts: 0), while after a long stretch only what rounds realized counts."""
+        expected drafts accepted as expected, fading by ``DECAY`` a drafting round of the bucket (plain
+        rounds say nothing of acceptance). So the first rejected block of a fresh bucket, or of one that
+        has only decoded plainly, does not read as a draft that is never right (a ratio of one round's
+        counts: 0), while once the bucket has drafted a while only what its rounds realized counts."""
         batch = sum(self.sums["batch"][1:])
-        prior = PRIOR_DRAFTS * DECAY ** self.rounds
+        prior = PRIOR_DRAFTS * DECAY ** self.drafting
         expected = sum(self.sums["expected"][1:]) - batch + prior
         return (sum(self.sums["gained"][1:]) - batch + prior) / expected if expected > 0 else 1.0
 
