@@ -14,7 +14,7 @@ those rows at that k, each scaled by what rounds realized (``speculation.arms``)
   drafts accepted over those expected, pooled over every drafting arm of the bucket: the model's error
   there is the same at every k (its acceptance lags a change in content), and pooling keeps the noise
   of a block's acceptance out of the comparison between k's; the model's acceptance is its prior, worth
-  a few drafts, fading as rounds come (one rejected first block must not read as a draft never right);
+  a few drafts, fading as the bucket drafts (one rejected first block must not read as a draft never right);
 - its seconds by the nearest measured arm's realized seconds over what the model predicts for those
   rounds now (so its own learning does not linger in the factor): the model's shape, the realized level.
 The sums decay (``arms.DECAY`` a round of the bucket), so they follow changes in load and content.
