@@ -163,7 +163,8 @@ def check_eagle_app(tiny_models, target: str) -> None:
         drafted += body["speculation"]["num_draft_tokens"]
     assert drafted > 0
     sampled = httpx.post(f"{BASE}/eagle/v1/completions", timeout=120,
-                         json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0.8})
+                         json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0.8,
+                                 "ignore_eos": True})  # a sample that ends at its first token drafts nothing
     assert sampled.status_code == 200 and sampled.json()["speculation"]["num_draft_tokens"] > 0
 
 

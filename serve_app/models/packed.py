@@ -7,10 +7,16 @@ Two kernels, by what the CPU does natively (``linear_kernel``):
   and inductor's ``freezing`` do) halves a batch-1 matmul (lm_head 1.9 -> 1.0 ms, gate_up 80 -> 36 us
   on such a CPU) and gives bit-identical results: the same kernel runs, only the layout changes.
 - ``avx2``: an AVX2-only CPU, where oneDNN refuses bfloat16 (``models.avx2_linear``).
-int8 weights (a draft's) run on the AVX2 kernel: a decode step reads half the bytes. Where the CPU
-also has oneDNN bfloat16, a forward of ``WIDE_FROM_ROWS`` rows or more (a prefill, a catch-up, a large
-batch) runs there on a bfloat16 copy instead (``Int8Linear``): the int8 kernel converts in registers and
-is compute-bound at many rows.
+
+Where the CPU has both, a forward of fewer than ``WIDE_FROM_ROWS`` rows (a decode step or a verified
+block at one or two streams) runs on the AVX2 kernel and one of more (a prefill, a large batch) on oneDNN
+(``SplitLinear``). Measured (AMD Zen 4; one process, the two layouts' forwards interleaved): SmolLM2-135M
+at 1 to 6 rows in 0.75-0.83x oneDNN's time, on one thread or two; the 1.5 B target on two threads in
+0.76x at 1-2 rows, level at 3-6. The AVX2 kernel's per-call cost is the lower, and its sums do not depend
+on the rows batched together, so a block of fewer rows scores each token with the bits of its own decode
+step (oneDNN's vary with the row count). The cost: both layouts of every weight in memory. int8 weights
+(a draft's) split the same way: the int8 kernel reads half the bytes of a decode step and is
+compute-bound at many rows, where oneDNN's bfloat16 runs about twice as fast.
 float32 is left alone: its packed kernel rounds differently from ``F.linear``, and float32 is the
 dtype tests compare bit for bit with Hugging Face.
 """
@@ -25,7 +31,7 @@ from torch import nn
 from serve_app.models.avx2_linear import Avx2Linear, Weights, extension
 
 LinearKernel = Literal["onednn", "avx2"]
-WIDE_FROM_ROWS = 8  # int8 weights: a forward of this many rows or more runs on oneDNN (``Int8Linear``)
+WIDE_FROM_ROWS = 8  # a forward of this many rows or more runs on oneDNN (``SplitLinear``)
 
 
 def onednn_bf16() -> bool:
@@ -62,29 +68,32 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-class Int8Linear(nn.Module):
-    """int8 weights on a CPU with oneDNN bfloat16: few rows on the AVX2 int8 kernel, many on oneDNN.
+class SplitLinear(nn.Module):
+    """Few rows on the AVX2 kernel (bfloat16 or int8 weights), many on oneDNN in bfloat16 (``WIDE_FROM_ROWS``).
 
-    Measured (AMD Zen 4, 2 threads, the 0.5 B draft's 151936 x 896 output layer, int8 / bfloat16 ms):
-    6.1 / 10.3 at 1 row, 8.5 / 9.5 at 4, 18.9 / 14.6 at 8, 260 / 123 at 150; the draft's prefill of 150
-    tokens 642 / 348 ms, its decode step 29.7 / 56.0. Costs the bfloat16 weights' memory besides the int8."""
+    Measured for int8 (AMD Zen 4, 2 threads, the 0.5 B draft's 151936 x 896 output layer, int8 / bfloat16
+    ms): 6.1 / 10.3 at 1 row, 8.5 / 9.5 at 4, 18.9 / 14.6 at 8, 260 / 123 at 150; the draft's prefill of
+    150 tokens 642 / 348 ms, its decode step 29.7 / 56.0. Holds both layouts of the weight."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, weights: Weights = "bfloat16"):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.narrow, self.wide = Avx2Linear(linear, "int8"), PackedLinear(linear)
+        self.narrow, self.wide = Avx2Linear(linear, weights), PackedLinear(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (self.wide if x.numel() >= WIDE_FROM_ROWS * self.in_features else self.narrow)(x)
 
 
 def pack_linears(model: nn.Module, kernel: LinearKernel = "onednn", weights: Weights = "bfloat16") -> int:
-    """Replace every ``nn.Linear`` of an inference model by a packed one (int8 weights: the AVX2 kernel's,
-    and oneDNN's for many rows where the CPU has it); returns how many."""
+    """Replace every ``nn.Linear`` of an inference model by a packed one: bfloat16 (or int8) weights on
+    the AVX2 kernel for few rows and oneDNN for many where the CPU has both (``SplitLinear``), else on
+    the one it has; float32 on oneDNN. Returns how many."""
     def packed(linear: nn.Linear) -> nn.Module:
-        if kernel == "onednn":
+        if kernel == "onednn" and (linear.weight.dtype != torch.bfloat16 or extension() is None):
             return PackedLinear(linear)
-        return Int8Linear(linear) if weights == "int8" and onednn_bf16() else Avx2Linear(linear, weights)
+        if kernel == "avx2" and not (weights == "int8" and onednn_bf16()):
+            return Avx2Linear(linear, weights)
+        return SplitLinear(linear, weights)
 
     count = 0
     for module in list(model.modules()):
