@@ -1,6 +1,7 @@
 """Packed linears (bfloat16 on CPU): oneDNN's gives the same numbers as ``F.linear``; the AVX2 kernel
-(``models.avx2_linear``, for CPUs without native bfloat16) gives float32 sums of the bfloat16 products
-rounded once, independent of the rows batched together; the runner uses the kernel the CPU has."""
+(``models.avx2_linear``) gives float32 sums of the bfloat16 products rounded once, independent of the
+rows batched together; the runner uses the kernel the CPU has, and both where it has both (few rows on
+the AVX2 kernel, many on oneDNN)."""
 
 from __future__ import annotations
 
