@@ -1,7 +1,7 @@
-"""Packed linears (bfloat16 on CPU): oneDNN's gives the same numbers as ``F.linear``; the AVX2 kernel
-(``models.avx2_linear``) gives float32 sums of the bfloat16 products rounded once, independent of the
-rows batched together; the runner uses the kernel the CPU has, and both where it has both (few rows on
-the AVX2 kernel, many on oneDNN)."""
+"""Packed linears (bfloat16 on CPU): oneDNN's gives the same numbers as ``F.linear``; our few-row kernel
+(``models.avx2_linear``: AVX2 FMAs, or AVX-512 BF16 dot products where the CPU has them) gives float32
+sums of the bfloat16 products rounded once, independent of the rows batched together; the runner uses
+the kernel the CPU has, and both where it has both (few rows on ours, many on oneDNN)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,22 @@ import pytest
 import torch
 from torch import nn
 
-from serve_app.models.avx2_linear import Avx2Linear, cpu_has_avx2, extension, quantize_int8
+from serve_app.models.avx2_linear import Avx2Linear, avx512_bf16, cpu_has_avx2, extension, quantize_int8
 from serve_app.models.base import RunnerConfig
-from serve_app.models.packed import WIDE_FROM_ROWS, PackedLinear, linear_kernel, onednn_bf16, pack_linears
+from serve_app.models.packed import (
+    WIDE_FROM_ROWS,
+    WIDE_FROM_ROWS_PAIRS,
+    PackedLinear,
+    linear_kernel,
+    onednn_bf16,
+    pack_linears,
+)
 from serve_app.models.runner import ModelRunner
 
 needs_onednn = pytest.mark.skipif(not onednn_bf16(), reason="no oneDNN bfloat16 on this CPU or in this torch build")
 needs_avx2 = pytest.mark.skipif(not cpu_has_avx2(), reason="the AVX2 kernel needs an AVX2 + FMA CPU")
+# the bfloat16 weight layouts of our kernel this CPU runs: AVX2 FMAs everywhere, AVX-512 BF16 pairs where it can
+LAYOUTS = ["avx2", *(["pairs"] if cpu_has_avx2() and avx512_bf16() else [])]
 
 
 @needs_onednn
@@ -35,15 +44,16 @@ def test_the_avx2_kernel_builds_on_an_avx2_cpu():
 
 
 @needs_avx2
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape", [(1, 40), (2, 40), (5, 40), (7, 300), (3, 13, 40), (1, 70, 300)])
+@pytest.mark.parametrize("shape", [(1, 40), (2, 40), (5, 41), (7, 300), (3, 13, 40), (1, 70, 301)])
 @pytest.mark.parametrize("out_features", [16, 50, 96])
-def test_the_avx2_kernel_rounds_the_float32_sum_once(shape, bias, out_features):
+def test_the_avx2_kernel_rounds_the_float32_sum_once(shape, bias, out_features, layout):
     torch.manual_seed(0)
     linear = nn.Linear(shape[-1], out_features, bias=bias).to(torch.bfloat16)
     x = torch.randn(*shape, dtype=torch.bfloat16)
     with torch.no_grad():
-        got = Avx2Linear(linear)(x)
+        got = Avx2Linear(linear, layout=layout)(x)
         exact = x.double() @ linear.weight.double().T + (0 if linear.bias is None else linear.bias.double())
     assert got.shape == (*shape[:-1], out_features) and got.dtype == torch.bfloat16
     # float32 sums of exact bf16 products: within float32 rounding of the exact result, then one bf16 rounding
@@ -54,14 +64,26 @@ def test_the_avx2_kernel_rounds_the_float32_sum_once(shape, bias, out_features):
 
 
 @needs_avx2
-def test_a_rows_result_does_not_depend_on_the_rows_it_is_batched_with():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_rows_result_does_not_depend_on_the_rows_it_is_batched_with(layout):
     torch.manual_seed(1)
-    linear = Avx2Linear(nn.Linear(700, 130, bias=True).to(torch.bfloat16))
+    linear = Avx2Linear(nn.Linear(700, 130, bias=True).to(torch.bfloat16), layout=layout)
     x = torch.randn(23, 700, dtype=torch.bfloat16)
     with torch.no_grad():
         together = linear(x)
         for rows in (1, 2, 5, 6, 7, 13):
             assert torch.equal(torch.cat([linear(x[i:i + rows]) for i in range(0, 23, rows)]), together)
+
+
+@needs_avx2
+def test_bfloat16_weights_take_the_cpus_widest_layout_and_int8_the_avx2_one():
+    # AVX-512 BF16 multiplies two bfloat16 pairs per float32 lane in one instruction: a block of a few
+    # rows costs about what one row does; int8 weights (a draft's) keep the AVX2 kernel everywhere
+    linear = nn.Linear(64, 32).to(torch.bfloat16)
+    assert Avx2Linear(linear).layout == LAYOUTS[-1]
+    assert Avx2Linear(linear, "int8").layout == "avx2"
+    with pytest.raises(ValueError, match="int8"):
+        Avx2Linear(linear, "int8", layout="pairs")
 
 
 @needs_avx2
@@ -105,15 +127,18 @@ def test_bfloat16_weights_run_few_rows_on_the_avx2_kernel_and_many_on_onednn():
     # cost is lower there than oneDNN's, and its sums do not depend on the rows batched together, so a
     # verified block of fewer than WIDE_FROM_ROWS tokens scores each one as its own step did (oneDNN's
     # sums vary with the row count: a step's bits are not those of the same token in a block)
+    # (the AVX-512 BF16 layout up to WIDE_FROM_ROWS_PAIRS rows: it is the faster one to there, measured)
     torch.manual_seed(4)
     linear = nn.Linear(2048, 512, bias=True).to(torch.bfloat16)  # long enough sums for the two kernels' to differ
     model = nn.Sequential(linear)
     assert pack_linears(model, "onednn") == 1
-    x = torch.randn(1, 2 * WIDE_FROM_ROWS, 2048, dtype=torch.bfloat16)
-    few, many = x[:, :WIDE_FROM_ROWS - 1], x[:, :WIDE_FROM_ROWS]
+    wide = model[0].wide_from
+    assert wide == {"avx2": WIDE_FROM_ROWS, "pairs": WIDE_FROM_ROWS_PAIRS}[LAYOUTS[-1]]
+    x = torch.randn(1, 2 * wide, 2048, dtype=torch.bfloat16)
+    few, many = x[:, :wide - 1], x[:, :wide]
     with torch.no_grad():
         assert torch.equal(model(few), Avx2Linear(linear)(few))
-        for rows in range(1, WIDE_FROM_ROWS):
+        for rows in range(1, wide):
             assert torch.equal(model(x[:, :rows]), model(few)[:, :rows])
         assert torch.equal(model(many), PackedLinear(linear)(many))
     float32 = nn.Sequential(nn.Linear(300, 50))

@@ -1,5 +1,6 @@
 """bfloat16 linear layers for CPUs without native bfloat16 arithmetic (AVX2 + FMA only: AMD Zen 1-3,
 Intel before Cooper Lake), a small C++ kernel built once on first use; and int8 weights for a draft.
+Where oneDNN has bfloat16 too, the same kernel runs forwards of few rows (``models.packed``).
 
 Why our own kernel: on such a CPU oneDNN (torch's, and vLLM's own build) and zentorch refuse bfloat16
 matmuls, and torch falls back to a generic kernel that is fine for one row but runs far under the
@@ -60,6 +61,13 @@ def extension() -> ModuleType | None:
 
 
 Weights = Literal["bfloat16", "int8"]
+Layout = Literal["avx2", "pairs"]
+
+
+def avx512_bf16() -> bool:
+    """Whether this CPU runs the AVX-512 BF16 layout (``layout="pairs"``), the kernel built."""
+    ext = extension()
+    return ext is not None and ext.has_avx512_bf16()
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,15 +80,23 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Avx2Linear(nn.Module):
     """Inference-only stand-in for a bfloat16 ``nn.Linear`` (same ``in_features``/``out_features``)."""
 
-    def __init__(self, linear: nn.Linear, weights: Weights = "bfloat16"):
+    def __init__(self, linear: nn.Linear, weights: Weights = "bfloat16", layout: Layout | None = None):
+        """``layout``: None, the widest this CPU runs for these weights (int8: always ``avx2``)."""
         super().__init__()
         ext = extension()
         if ext is None:
             raise RuntimeError("the AVX2 bfloat16 kernel is not available on this machine")
-        self.ext = ext
+        if layout is None:
+            layout = "pairs" if weights == "bfloat16" and avx512_bf16() else "avx2"
+        if layout == "pairs" and weights == "int8":
+            raise ValueError("int8 weights run on the AVX2 layout only")
+        self.ext, self.layout = ext, layout
         self.in_features, self.out_features = linear.in_features, linear.out_features
         with torch.no_grad():
-            if weights == "int8":
+            if layout == "pairs":
+                self.packed = nn.Buffer(ext.pack_pairs(linear.weight.detach().to(torch.bfloat16)), persistent=False)
+                self.scale = None
+            elif weights == "int8":
                 q, scale = quantize_int8(linear.weight)
                 self.packed = nn.Buffer(ext.pack(q), persistent=False)
                 self.scale: torch.Tensor | None = nn.Buffer(scale, persistent=False)
@@ -91,4 +107,6 @@ class Avx2Linear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout == "pairs":
+            return self.ext.linear_pairs(x, self.packed, self.out_features, self.bias)
         return self.ext.linear(x, self.packed, self.out_features, self.scale, self.bias)

@@ -12,7 +12,11 @@ Where the CPU has both, a forward of fewer than ``WIDE_FROM_ROWS`` rows (a decod
 block at one or two streams) runs on the AVX2 kernel and one of more (a prefill, a large batch) on oneDNN
 (``SplitLinear``). Measured (AMD Zen 4; one process, the two layouts' forwards interleaved): SmolLM2-135M
 at 1 to 6 rows in 0.75-0.83x oneDNN's time, on one thread or two; the 1.5 B target on two threads in
-0.76x at 1-2 rows, level at 3-6. The AVX2 kernel's per-call cost is the lower, and its sums do not depend
+0.76x at 1-2 rows, level at 3-6. Where the CPU has AVX-512 BF16 too, our kernel packs bfloat16 weights in
+pairs (``avx2_linear``) and keeps forwards of up to ``WIDE_FROM_ROWS_PAIRS`` - 1 rows: against the AVX2
+layout 0.89-0.94x the forward's time at 1-5 rows (SmolLM2), 0.88x at 5 rows (the 1.5 B target); against
+oneDNN at 8-16 rows 0.81-0.95x (SmolLM2) and 0.93-1.02x (1.5 B); oneDNN is the faster from 32 rows on
+the 1.5 B target (1.11x) and from about 64 on SmolLM2. The AVX2 kernel's per-call cost is the lower, and its sums do not depend
 on the rows batched together, so a block of fewer rows scores each token with the bits of its own decode
 step (oneDNN's vary with the row count). The cost: both layouts of every weight in memory. int8 weights
 (a draft's) split the same way: the int8 kernel reads half the bytes of a decode step and is
@@ -31,7 +35,8 @@ from torch import nn
 from serve_app.models.avx2_linear import Avx2Linear, Weights, extension
 
 LinearKernel = Literal["onednn", "avx2"]
-WIDE_FROM_ROWS = 8  # a forward of this many rows or more runs on oneDNN (``SplitLinear``)
+WIDE_FROM_ROWS = 8  # a forward of this many rows or more runs on oneDNN (``SplitLinear``)...
+WIDE_FROM_ROWS_PAIRS = 24  # ...or this many where our kernel has the AVX-512 BF16 layout
 
 
 def onednn_bf16() -> bool:
@@ -79,9 +84,10 @@ class SplitLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.narrow, self.wide = Avx2Linear(linear, weights), PackedLinear(linear)
+        self.wide_from = WIDE_FROM_ROWS_PAIRS if self.narrow.layout == "pairs" else WIDE_FROM_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.wide if x.numel() >= WIDE_FROM_ROWS * self.in_features else self.narrow)(x)
+        return (self.wide if x.numel() >= self.wide_from * self.in_features else self.narrow)(x)
 
 
 def pack_linears(model: nn.Module, kernel: LinearKernel = "onednn", weights: Weights = "bfloat16") -> int:
