@@ -9,11 +9,10 @@ import gc
 
 import httpx
 import pytest
-import torch
 
 from serve_app.engine.plan import model_folder
 from serve_app.engine.request import GenerationParams
-from serve_app.models.packed import linear_kernel
+from serve_app.models.packed import batch_invariant_rows
 from serve_app.models.parts import PARTED_MODELS
 from tests.helpers import engine_for, hf_greedy
 from tests.test_serve_run import clean_machine, serve_run  # noqa: F401 - the fixture is used by name
@@ -65,8 +64,8 @@ def test_greedy_speculation_on_the_pair_equals_plain_decoding_and_transformers_i
         assert hf_greedy(target, prompt_ids, len(tokens))[: len(tokens)] == tokens
 
 
-@pytest.mark.skipif(linear_kernel(torch.bfloat16, "cpu") != "avx2",
-                    reason="bfloat16 decoding is batch-invariant on the AVX2 kernel only")
+@pytest.mark.skipif(batch_invariant_rows() < 3 * 5,
+                    reason="bfloat16 decoding is batch-invariant on our kernel only (oneDNN's sums vary)")
 def test_in_bfloat16_with_the_int8_draft_speculation_on_the_pair_is_plain_decoding_token_for_token():
     # configs/coder.yaml's own setting: on the batch-invariant kernel a verified block scores each token
     # as a one-token step does, so bf16 speculative output is plain bf16 decoding's, not just close to it

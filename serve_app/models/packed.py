@@ -16,11 +16,12 @@ at 1 to 6 rows in 0.75-0.83x oneDNN's time, on one thread or two; the 1.5 B targ
 pairs (``avx2_linear``) and keeps forwards of up to ``WIDE_FROM_ROWS_PAIRS`` - 1 rows: against the AVX2
 layout 0.89-0.94x the forward's time at 1-5 rows (SmolLM2), 0.88x at 5 rows (the 1.5 B target); against
 oneDNN at 8-16 rows 0.81-0.95x (SmolLM2) and 0.93-1.02x (1.5 B); oneDNN is the faster from 32 rows on
-the 1.5 B target (1.11x) and from about 64 on SmolLM2. The AVX2 kernel's per-call cost is the lower, and its sums do not depend
-on the rows batched together, so a block of fewer rows scores each token with the bits of its own decode
-step (oneDNN's vary with the row count). The cost: both layouts of every weight in memory. int8 weights
-(a draft's) split the same way: the int8 kernel reads half the bytes of a decode step and is
-compute-bound at many rows, where oneDNN's bfloat16 runs about twice as fast.
+the 1.5 B target (1.11x) and from about 64 on SmolLM2. Our kernel's per-call cost is the lower, and its
+sums do not depend on the rows batched together, so a block of fewer rows scores each token with the
+bits of its own decode step (oneDNN's vary with the row count; ``batch_invariant_rows``). The cost: both
+layouts of every weight in memory. int8 weights (a draft's) split the same way: the int8 kernel reads half
+the bytes of a decode step and is compute-bound at many rows, where oneDNN's bfloat16 runs about twice
+as fast.
 float32 is left alone: its packed kernel rounds differently from ``F.linear``, and float32 is the
 dtype tests compare bit for bit with Hugging Face.
 """
@@ -32,7 +33,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from serve_app.models.avx2_linear import Avx2Linear, Weights, extension
+from serve_app.models.avx2_linear import Avx2Linear, Weights, avx512_bf16, extension
 
 LinearKernel = Literal["onednn", "avx2"]
 WIDE_FROM_ROWS = 8  # a forward of this many rows or more runs on oneDNN (``SplitLinear``)...
@@ -51,6 +52,18 @@ def linear_kernel(dtype: torch.dtype, device: str | torch.device) -> LinearKerne
     if onednn_bf16():
         return "onednn"
     return "avx2" if extension() is not None else None
+
+
+def batch_invariant_rows() -> int:
+    """The most rows a bfloat16 forward on this CPU may have for each row's result not to depend on
+    the rows batched with it: every count on the AVX2 kernel alone, those below the switch to oneDNN
+    where the CPU has both, none on ``F.linear`` or oneDNN alone."""
+    kernel = linear_kernel(torch.bfloat16, "cpu")
+    if kernel == "avx2":
+        return 1 << 30
+    if kernel == "onednn" and extension() is not None:
+        return (WIDE_FROM_ROWS_PAIRS if avx512_bf16() else WIDE_FROM_ROWS) - 1
+    return 0
 
 
 def int8_available(dtype: str, device: str) -> bool:
