@@ -253,6 +253,25 @@ bool has_avx512_bf16() {
   return has;
 }
 
+// What both entry points share: x as rows [M, K], y [M, n_out] (bfloat16) to fill, the bias in float32.
+struct Rows {
+  std::vector<int64_t> shape;  // y's shape: x's with n_out last
+  torch::Tensor x2, y, bias;   // bias undefined when there is none
+  int64_t M;
+  Rows(const torch::Tensor& x, int64_t K, int64_t n_out, const c10::optional<torch::Tensor>& bias_opt)
+      : shape(x.sizes().vec()), x2(x.reshape({-1, K}).contiguous()) {
+    shape.back() = n_out;
+    M = x2.size(0);
+    y = at::empty({M, n_out}, x.options());
+    if (bias_opt.has_value() && bias_opt->defined()) bias = bias_opt->to(at::kFloat).contiguous();
+  }
+  int64_t panels() const { return (M + MT - 1) / MT; }
+  const uint16_t* xs() const { return reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>()); }
+  uint16_t* yp() { return reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()); }
+  const float* bp() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
+  torch::Tensor result() const { return y.view(shape); }
+};
+
 // y = (x @ w^T) * scales + bias: x bfloat16 [..., K]; packed from ``pack``; scales float32 [n_out] for an
 // int8 weight; bias bfloat16 [n_out] or none. y bfloat16 [..., n_out].
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n_out, c10::optional<torch::Tensor> scales_opt,
@@ -263,24 +282,16 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n_out, c10::
   TORCH_CHECK(int8 == (scales_opt.has_value() && scales_opt->defined()), "linear: scales go with an int8 weight");
   const int64_t blocks = packed.size(0), K = packed.size(1);
   TORCH_CHECK(x.size(-1) == K, "linear: x has ", x.size(-1), " features, the weight ", K);
-  auto shape = x.sizes().vec();
-  shape.back() = n_out;
-  auto x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0), panels = (M + MT - 1) / MT;
-  auto y = at::empty({M, n_out}, x.options());
-  if (M == 0) return y.view(shape);
-
-  torch::Tensor bias, scales;
-  if (bias_opt.has_value() && bias_opt->defined()) bias = bias_opt->to(at::kFloat).contiguous();
+  Rows rows(x, K, n_out, bias_opt);
+  const int64_t M = rows.M;
+  if (M == 0) return rows.result();
+  torch::Tensor scales;
   if (int8) scales = scales_opt->to(at::kFloat).contiguous();
-  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
   // x -> float32 panels [panels][K][MT], rows past M zero
-  std::vector<float> xpanel(panels * K * MT, 0.f);
+  std::vector<float> xpanel(rows.panels() * K * MT, 0.f);
   for (int64_t m = 0; m < M; ++m) {
     float* dst = xpanel.data() + (m / MT) * K * MT + (m % MT);
-    const uint16_t* src = xs + m * K;
+    const uint16_t* src = rows.xs() + m * K;
     for (int64_t k = 0; k < K; ++k) {
       uint32_t bits = static_cast<uint32_t>(src[k]) << 16;
       std::memcpy(dst + k * MT, &bits, sizeof(float));
@@ -288,12 +299,12 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n_out, c10::
   }
   if (int8)
     matmul<Avx2Tiles<Int8Weights>>(xpanel.data(), M, K, packed.data_ptr<int8_t>(), blocks, scales.data_ptr<float>(),
-                                   bp, yp, n_out);
+                                   rows.bp(), rows.yp(), n_out);
   else
     matmul<Avx2Tiles<Bf16Weights>>(xpanel.data(), M, K,
                                    reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), blocks,
-                                   nullptr, bp, yp, n_out);
-  return y.view(shape);
+                                   nullptr, rows.bp(), rows.yp(), n_out);
+  return rows.result();
 }
 
 // The same for a weight from ``pack_pairs`` (a CPU with AVX-512 BF16: ``has_avx512_bf16``).
@@ -305,29 +316,22 @@ torch::Tensor linear_pairs(torch::Tensor x, torch::Tensor packed, int64_t n_out,
   TORCH_CHECK(packed.size(0) == (blocks + 1) / 2, "linear_pairs: the weight has ", 2 * NB * packed.size(0),
               " columns (padded), n_out is ", n_out);
   TORCH_CHECK((K + 1) / 2 == K2, "linear_pairs: x has ", K, " features, the weight ", 2 * K2, " (padded)");
-  auto shape = x.sizes().vec();
-  shape.back() = n_out;
-  auto x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0), panels = (M + MT - 1) / MT;
-  auto y = at::empty({M, n_out}, x.options());
-  if (M == 0) return y.view(shape);
-  torch::Tensor bias;
-  if (bias_opt.has_value() && bias_opt->defined()) bias = bias_opt->to(at::kFloat).contiguous();
+  Rows rows(x, K, n_out, bias_opt);
+  const int64_t M = rows.M;
+  if (M == 0) return rows.result();
   // x -> panels of bfloat16 pairs [panels][K2][MT], rows past M and the k past K zero
-  std::vector<uint32_t> xpanel(panels * K2 * MT, 0u);
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
+  std::vector<uint32_t> xpanel(rows.panels() * K2 * MT, 0u);
   for (int64_t m = 0; m < M; ++m) {
     uint32_t* dst = xpanel.data() + (m / MT) * K2 * MT + (m % MT);
-    const uint16_t* src = xs + m * K;
+    const uint16_t* src = rows.xs() + m * K;
     for (int64_t p = 0; p < K2; ++p) {
       const uint32_t hi = 2 * p + 1 < K ? src[2 * p + 1] : 0;
       dst[p * MT] = static_cast<uint32_t>(src[2 * p]) | (hi << 16);
     }
   }
   matmul<PairTiles>(xpanel.data(), M, K2, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), blocks,
-                    nullptr, bias.defined() ? bias.data_ptr<float>() : nullptr,
-                    reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), n_out);
-  return y.view(shape);
+                    nullptr, rows.bp(), rows.yp(), n_out);
+  return rows.result();
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
