@@ -14,7 +14,7 @@ import torch
 from serve_app.config import SpeculationConfig
 from serve_app.speculation.arms import bucket
 from serve_app.speculation.policy import BlockSizePolicy, FixedPolicy, RoundCosts, Row
-from serve_app.speculation.realized import EXPLORE_EVERY, RealizedPolicy, policy_for
+from serve_app.speculation.realized import EXPLORE_EVERY, EXPLORE_SHARE, RealizedPolicy, policy_for
 from serve_app.speculation.types import VerifyResult
 
 MAX_K = 4
@@ -127,17 +127,42 @@ def test_under_load_it_finds_plain_decoding_and_explores_at_most_one_round_in_ei
 
 
 @pytest.mark.parametrize("ahead", [0, 2])
+@pytest.mark.parametrize("batch", [4, 16])
+def test_where_drafting_loses_by_far_its_probes_cost_at_most_the_exploration_share(batch, ahead):
+    """The real pair at 4 and 16 streams on 2 cores (issue 26): a draft call of the 0.5 B draft costs
+    more than half a plain round of the 1.5 B target before its first step, and each draft token a
+    verify slot, so a probe of k = 1 takes about two plain rounds for little gain. Probes there were one
+    round in 30-40, about 3 % of the time lost; what they lose (their seconds beyond what the best arm
+    would have gained in them) stays within ``EXPLORE_SHARE`` of the time, and there are still some."""
+    seconds = lambda b, k: 0.090 + 0.011 * b * (1 + k) + (0.066 + 0.045 * k if k else 0.0)  # noqa: E731
+    alpha = 0.6
+    assert max(range(MAX_K + 1), key=lambda k: expected_rate(batch, k, alpha, seconds)) == 0
+    rounds = play(fresh(), 1500, batch, lambda t: alpha, seconds, seen_step=0.045, ahead=ahead)
+    tail = rounds[300:]
+    best = best_rate(batch, alpha, seconds)
+    lost = sum(s - g / best for a, g, s in tail if a)
+    assert 1 <= sum(a > 0 for a, _, _ in tail)
+    assert lost <= 1.2 * EXPLORE_SHARE * sum(s for _, _, s in tail)
+
+
+@pytest.mark.parametrize("ahead", [0, 2])
 def test_it_leaves_speculation_when_acceptance_collapses_and_returns_when_it_recovers(ahead):
     """Also with plain rounds sent ahead (``ahead``): a probe that falls due while plain rounds are in
     flight is still played, once they are (before, the pipeline swallowed every probe at one stream,
-    and speculation never came back)."""
+    and speculation never came back). Each run's choices are checked; the rates, against the best arm's
+    expected rate, over four runs together: 300 rounds of one run draw acceptance by chance (over 40
+    seeds, about one run in ten realized under 0.95 of the expected rate, whatever the policy)."""
     seconds = true_seconds(hop=0.002, step=0.006)
     alpha = lambda t: 0.0 if 300 <= t < 700 else 0.85  # noqa: E731
-    rounds = play(fresh(), 1200, 1, alpha, seconds, seen_step=0.006, ahead=ahead)
-    before, collapsed, recovered = rounds[200:300], rounds[350:700], rounds[900:]
-    assert sum(a > 0 for a, _, _ in before) >= 0.9 * len(before)
-    assert sum(a > 0 for a, _, _ in collapsed) <= 0.1 * len(collapsed)
-    assert sum(a > 0 for a, _, _ in recovered) >= 0.9 * len(recovered)
+    collapsed, recovered = [], []
+    for seed in range(4):
+        rounds = play(fresh(), 1200, 1, alpha, seconds, seen_step=0.006, ahead=ahead, seed=seed)
+        before = rounds[200:300]
+        collapsed += rounds[350:700]
+        recovered += rounds[900:]
+        assert sum(a > 0 for a, _, _ in before) >= 0.9 * len(before)
+        assert sum(a > 0 for a, _, _ in rounds[350:700]) <= 0.1 * 350
+        assert sum(a > 0 for a, _, _ in rounds[900:]) >= 0.9 * 300
     assert realized_rate(collapsed) >= 0.95 * best_rate(1, 0.0, seconds)
     assert realized_rate(recovered) >= 0.95 * best_rate(1, 0.85, seconds)
 

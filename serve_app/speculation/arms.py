@@ -47,6 +47,10 @@ class ArmRounds:
         r of the leader's rate is retried after about ln(r²) / ln(DECAY) more rounds than one level with it)."""
         return arm >= len(self.sums["weight"]) or self.sums["weight"][arm] < STALE * share
 
+    def since(self, arm: int) -> int:
+        """Rounds since the arm was last played (every round so far if never)."""
+        return self.rounds - self.played.get(arm, 0)
+
     def since_other(self, arm: int) -> int:
         """Rounds since one played another arm than ``arm`` (every round so far if none did)."""
         return self.rounds - max((r for a, r in self.played.items() if a != arm), default=0)

@@ -28,9 +28,13 @@ measurement has faded below ``STALE`` rounds is played once. A probe that falls 
 round plays it, so plain rounds sent ahead (``engine.pipeline``) delay it by a round but never swallow
 it. That bounds exploration to 1 round in ``EXPLORE_EVERY``, spent on the arms nearest the best, whose
 rates are nearest it; an arm predicted at a share r of the leader's rate waits longer
-(``ArmRounds.stale``). Acceptance that collapses makes every drafting arm predict less at once and plain
-decoding leads; k = 1 is still retried now and then, so speculation comes back when it pays again
-(``tests/test_realized.py``).
+(``ArmRounds.stale``), and until what one play of it is predicted to lose (its seconds × (1 - r)) is
+within ``EXPLORE_SHARE`` of the bucket's time since it was last played. So where drafting loses by far
+(the real pair at 4-16 streams on 2 cores: a probe of k = 1 took two plain rounds for little gain, one
+round in 30-40, about 3 % of the time), probes cost at most about that share, while an arm level with
+the leader is retried as often as before. Acceptance that collapses makes every drafting arm predict
+less at once and plain decoding leads; k = 1 is still retried now and then, so speculation comes back
+when it pays again (``tests/test_realized.py``).
 
 ``choose`` is a pure query; the clock of each bucket advances in ``record_costs``, once a real round.
 """
@@ -45,6 +49,7 @@ from serve_app.speculation.policy import BlockSizePolicy, FixedPolicy, KPolicy, 
 from serve_app.speculation.types import VerifyResult
 
 EXPLORE_EVERY = 8  # at most one round in this many of a bucket tries a stale neighbour of the leader
+EXPLORE_SHARE = 0.005  # what probes of an arm may lose (predicted), as a share of the bucket's time
 
 
 class RealizedPolicy:
@@ -71,10 +76,14 @@ class RealizedPolicy:
 
     # ---- the choice --------------------------------------------------------------------------
     def rates(self, rows: Sequence[Row]) -> list[float]:
-        """Predicted tokens per second of each arm 0..top for these rows (top: the largest cap): the
-        model's gain and seconds, each scaled by what the nearest measured arm realized against the
-        model (the seconds against the model as it is now, so its own learning does not linger). Plain
-        rounds pipelined or not: their realized seconds have it."""
+        """Predicted tokens per second of each arm 0..top for these rows (top: the largest cap)."""
+        return [gained / seconds for gained, seconds in self.predict(rows)]
+
+    def predict(self, rows: Sequence[Row]) -> list[tuple[float, float]]:
+        """Predicted (tokens gained, seconds) of a round at each arm 0..top for these rows: the model's,
+        each scaled by what the nearest measured arm realized against the model (the seconds against
+        the model as it is now, so its own learning does not linger). Plain rounds pipelined or not:
+        their realized seconds have it."""
         top = min(self.max_k, max((r.cap for r in rows), default=0))
         batch = len(rows)
         calibration = self.realized.buckets.get(bucket(batch)) or ArmRounds()
@@ -93,13 +102,12 @@ class RealizedPolicy:
                 gained = batch + (gained - batch) * acceptance
                 then = self.model.seconds(c.mean("batch", m), c.mean("tokens", m), dict.fromkeys(methods, m))
                 seconds *= c.mean("seconds", m) / max(then, 1e-9)
-            out.append(gained / max(seconds, 1e-9))
+            out.append((gained, max(seconds, 1e-9)))
         return out
 
-    def leader(self, rows: Sequence[Row]) -> tuple[int, list[float]]:
-        """The arm of the highest predicted rate (the smaller k on a tie), and every arm's rate."""
-        rates = self.rates(rows)
-        return max(range(len(rates)), key=lambda a: (rates[a], -a)), rates
+    def leader(self, rows: Sequence[Row]) -> int:
+        """The arm of the highest predicted rate (the smaller k on a tie)."""
+        return best(self.rates(rows))
 
     def would_draft(self, rows: Sequence[Row]) -> bool:
         """Whether a decoder draft's prefill is worth it for these rows (``engine.deferral``): the leader
@@ -110,16 +118,24 @@ class RealizedPolicy:
             return False
         calibration = self.realized.buckets.get(bucket(len(rows)))
         if calibration is not None and any(w > 0 for w in calibration.sums["weight"][1:]):
-            return self.leader(rows)[0] > 0
+            return self.leader(rows) > 0
         return len(rows) == 1
 
     def arm(self, rows: Sequence[Row]) -> int:
-        leader, rates = self.leader(rows)
+        predicted = self.predict(rows)
+        rates = [gained / seconds for gained, seconds in predicted]
+        leader = best(rates)
         calibration = self.realized.buckets.get(bucket(len(rows)))
         if calibration is None or calibration.since_other(leader) < EXPLORE_EVERY:
             return leader
-        stale = [a for a in {leader + 1, leader - 1, 0} if 0 <= a < len(rates) and a != leader
-                 and calibration.stale(a, (rates[a] / rates[leader]) ** 2)]
+
+        def due(a: int) -> bool:  # faded, and one play's predicted loss within the share of the time since
+            share = rates[a] / rates[leader]
+            loss = predicted[a][1] * (1 - share)
+            return calibration.stale(a, share ** 2) and \
+                calibration.since(a) * predicted[leader][1] * EXPLORE_SHARE >= loss
+
+        stale = [a for a in {leader + 1, leader - 1, 0} if 0 <= a < len(rates) and a != leader and due(a)]
         return max(stale, key=lambda a: rates[a]) if stale else leader
 
     def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]:
@@ -132,6 +148,11 @@ class RealizedPolicy:
     def snapshot(self) -> dict:
         """The model's view, and what each k realized per batch bucket (``RealizedRates.snapshot``)."""
         return {**self.model.snapshot(), "realized": self.realized.snapshot()}
+
+
+def best(rates: Sequence[float]) -> int:
+    """The arm of the highest rate, the smaller k on a tie."""
+    return max(range(len(rates)), key=lambda a: (rates[a], -a))
 
 
 def policy_for(spec: SpeculationConfig) -> KPolicy:
