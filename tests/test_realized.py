@@ -146,6 +146,28 @@ def test_where_drafting_loses_by_far_its_probes_cost_at_most_the_exploration_sha
 
 
 @pytest.mark.parametrize("ahead", [0, 2])
+def test_a_batch_size_never_drafted_at_is_tried_soon_however_dear_the_model_thinks_drafting(ahead):
+    """Served (the pair at 4 streams after requests that asked for plain decoding): the model's lines,
+    learned where a draft step looked dear, put every drafting arm far below plain decoding at a batch
+    size where no round drafted yet. A prediction no round there has tested is not worth the patience
+    ``EXPLORE_SHARE`` buys: drafting is tried within a few rounds, and kept where it pays."""
+    seconds = true_seconds(hop=0.002, step=0.006)
+    policy = fresh()
+    play(policy, 100, 1, lambda t: 0.8, seconds, seen_step=0.060)  # the model's draft line: 60 ms a step
+    ids = tuple(f"p{i}" for i in range(4))
+    for _ in range(200):  # plain decoding by request at batch 4: measured, nothing drafted there
+        policy.observe(VerifyResult(ids, torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long),
+                                    torch.full((4, 1), 7)))
+        policy.record_costs(RoundCosts(4, 0.024, {}, 0.003, 4, seconds(4, 0), 4, 0))
+    for s in ids:
+        policy.forget(s)
+    assert policy.leader([Row(f"s{i}", MAX_K, "draft") for i in range(4)]) == 0  # the model: plain leads
+    rounds = play(policy, 300, 4, lambda t: 0.9, seconds, seen_step=0.060, ahead=ahead)
+    assert any(a for a, _, _ in rounds[:3 * EXPLORE_EVERY])
+    assert realized_rate(rounds[-100:]) >= 0.95 * best_rate(4, 0.9, seconds)
+
+
+@pytest.mark.parametrize("ahead", [0, 2])
 def test_it_leaves_speculation_when_acceptance_collapses_and_returns_when_it_recovers(ahead):
     """Also with plain rounds sent ahead (``ahead``): a probe that falls due while plain rounds are in
     flight is still played, once they are (before, the pipeline swallowed every probe at one stream,

@@ -29,7 +29,8 @@ round plays it, so plain rounds sent ahead (``engine.pipeline``) delay it by a r
 it. That bounds exploration to 1 round in ``EXPLORE_EVERY``, spent on the arms nearest the best, whose
 rates are nearest it; an arm predicted at a share r of the leader's rate waits longer
 (``ArmRounds.stale``), and until what one play of it is predicted to lose (its seconds × (1 - r)) is
-within ``EXPLORE_SHARE`` of the bucket's time since it was last played. So where drafting loses by far
+within ``EXPLORE_SHARE`` of the bucket's time since it was last played (an arm never played at that
+batch size is tried as soon as it is due: the model's guess there is untested). So where drafting loses by far
 (the real pair at 4-16 streams on 2 cores: a probe of k = 1 took two plain rounds for little gain, one
 round in 30-40, about 3 % of the time), probes cost at most about that share, while an arm level with
 the leader is retried as often as before. Acceptance that collapses makes every drafting arm predict
@@ -131,9 +132,11 @@ class RealizedPolicy:
 
         def due(a: int) -> bool:  # faded, and one play's predicted loss within the share of the time since
             share = rates[a] / rates[leader]
-            loss = predicted[a][1] * (1 - share)
-            return calibration.stale(a, share ** 2) and \
-                calibration.since(a) * predicted[leader][1] * EXPLORE_SHARE >= loss
+            if not calibration.stale(a, share ** 2):
+                return False
+            if a not in calibration.played:  # the model's guess alone: one round there is worth more
+                return True
+            return calibration.since(a) * predicted[leader][1] * EXPLORE_SHARE >= predicted[a][1] * (1 - share)
 
         stale = [a for a in {leader + 1, leader - 1, 0} if 0 <= a < len(rates) and a != leader and due(a)]
         return max(stale, key=lambda a: rates[a]) if stale else leader
