@@ -129,11 +129,11 @@ def test_under_load_it_finds_plain_decoding_and_explores_at_most_one_round_in_ei
 @pytest.mark.parametrize("ahead", [0, 2])
 @pytest.mark.parametrize("batch", [4, 16])
 def test_where_drafting_loses_by_far_its_probes_cost_at_most_the_exploration_share(batch, ahead):
-    """The real pair at 4 and 16 streams on 2 cores (issue 26): a draft call of the 0.5 B draft costs
-    more than half a plain round of the 1.5 B target before its first step, and each draft token a
-    verify slot, so a probe of k = 1 takes about two plain rounds for little gain. Probes there were one
-    round in 30-40, about 3 % of the time lost; what they lose (their seconds beyond what the best arm
-    would have gained in them) stays within ``EXPLORE_SHARE`` of the time, and there are still some."""
+    """The real pair at 4 and 16 streams on 2 cores (issue 26): a call of the 0.5 B draft costs about
+    half a plain round of the 1.5 B target before its first step, and each draft token a verify slot,
+    so a probe of k = 1 takes about two plain rounds' time for little gain. Probes there were one round
+    in 30-40; what they lose (their seconds beyond what the best arm would have gained in them) stays
+    within ``EXPLORE_SHARE`` of the time, and there are still some."""
     seconds = lambda b, k: 0.090 + 0.011 * b * (1 + k) + (0.066 + 0.045 * k if k else 0.0)  # noqa: E731
     alpha = 0.6
     assert max(range(MAX_K + 1), key=lambda k: expected_rate(batch, k, alpha, seconds)) == 0

@@ -31,8 +31,8 @@ rates are nearest it; an arm predicted at a share r of the leader's rate waits l
 (``ArmRounds.stale``), and until what one play of it is predicted to lose (its seconds × (1 - r)) is
 within ``EXPLORE_SHARE`` of the bucket's time since it was last played (an arm never played at that
 batch size is tried as soon as it is due: the model's guess there is untested). So where drafting loses by far
-(the real pair at 4-16 streams on 2 cores: a probe of k = 1 took two plain rounds for little gain, one
-round in 30-40, about 3 % of the time), probes cost at most about that share, while an arm level with
+(the real pair at 4-16 streams on 2 cores: a probe of k = 1 took two plain rounds' time for little gain,
+one round in 30-40), probes cost at most about that share, while an arm level with
 the leader is retried as often as before. Acceptance that collapses makes every drafting arm predict
 less at once and plain decoding leads; k = 1 is still retried now and then, so speculation comes back
 when it pays again (``tests/test_realized.py``).
