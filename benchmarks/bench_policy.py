@@ -1,5 +1,6 @@
-"""The k policy through the server: the default (``k_policy: cost_model``) against plain decoding and
-every fixed k, in float32 and bfloat16, greedy and T = 0.7, at 1, 4 and 16 concurrent streams.
+"""The k policy through the server: the default (``k_policy: adaptive``, ``speculation.realized``)
+against plain decoding and every fixed k, in float32 and bfloat16, greedy and T = 0.7, at 1, 4 and 16
+concurrent streams.
 
 Each variant is ``serve run`` of the config with a few keys changed (started as the README's quick
 start does, one server at a time, the whole process tree killed after). On each speculating variant's

@@ -140,3 +140,25 @@ def test_plain_rounds_cost_what_they_take_from_result_to_result():
             policy.record_costs(RoundCosts(3, 0.020, {"draft": (2, 0.004)}, 0.002, batch=1))
         return sum(policy.choose([Row("a", 2, "draft")]))
     assert learned(0.015) == 0 and learned(0.025) > 0
+
+
+def test_plain_rounds_teach_the_target_line_what_a_token_costs():
+    """Served (the real pair at 16 streams on 2 cores): every drafting round had been at one stream,
+    k = 4 (5 tokens verified), so the target's line knew one point and kept its prior slope; plain rounds
+    of 16 sequences took 0.25 s, a call of 32 tokens 0.42 s. A plain round is a target call all the same:
+    it teaches the line its slope, and drafting for 16 rows is not predicted to pay."""
+    def verify(n: int) -> float:
+        return 0.085 + 0.0105 * n
+
+    policy = BlockSizePolicy(max_k=4)
+    rows1, rows16 = [Row("a", 4, "draft")], [Row(f"s{i}", 4, "draft") for i in range(16)]
+    rng = random.Random(0)
+    for _ in range(60):  # each draft accepted with probability 0.8: 3.4 tokens a round at k = 4
+        accepted = next(j for j in range(5) if j == 4 or rng.random() >= 0.8)
+        policy.observe(VerifyResult(("a",), torch.tensor([4]), torch.tensor([accepted]), torch.full((1, 5), 7)))
+        policy.record_costs(RoundCosts(5, verify(5), {"draft": (4, 0.170)}, 0.005, batch=1, interval_s=0.31))
+    assert sum(policy.choose(rows1)) > 0
+    for _ in range(30):
+        policy.record_costs(RoundCosts(16, verify(16), {}, None, batch=16, interval_s=verify(16) + 0.005))
+    assert policy.verify(32) == pytest.approx(verify(32), rel=0.1)
+    assert sum(policy.choose(rows16)) == 0

@@ -208,13 +208,15 @@ class BlockSizePolicy:
             self.engine_wide.record(drafted, accepted)
 
     def record_costs(self, costs: RoundCosts) -> None:
-        """One real round's costs: the lines."""
+        """One real round's costs: the lines. A plain round is a target call too: its tokens and seconds
+        teach the target's line what a token costs at batch sizes no round drafted at (drafting rounds
+        alone, all at one stream and one k, would leave it flat)."""
+        self.verify.add(costs.tokens, costs.verify_s)
         if costs.tokens == costs.batch:  # a plain round
             if costs.interval_s is not None:
                 self.plain.add(costs.batch, costs.interval_s)
                 self.plain_rounds += 1
             return
-        self.verify.add(costs.tokens, costs.verify_s)
         for method, (steps, seconds) in costs.draft_s.items():
             self.drafts.setdefault(method, LinearCost(*self.draft_prior)).add(steps, seconds)
         if costs.overhead_s is not None:
