@@ -10,6 +10,10 @@ time on the same cores:
 - ``chat``: mixed chat prompts (grounded, open-ended, and prompts the target wrote itself, none
   trained on) as ``/v1/chat/completions``, same settings.
 
+Each load (and the two warm-up requests before it) takes the next prompts of its set, so no server sees a
+prompt twice: vLLM caches prefixes by default, and reusing one load's prompts in the next (or its client's
+warm-ups, which send the load's first prompt) credited it with prefills it never ran (``harness.split_loads``).
+
 Servers (``--servers``, in this order by default):
 - ``ours``: ``RAY_SERVE_ENABLE_HA_PROXY=1 serve run CONFIG`` (default ``configs/local.yaml``), as the
   README's quick start starts it;
@@ -62,6 +66,7 @@ from benchmarks.harness import (
     run_engine,
     serve_run,
     shown,
+    split_loads,
     start,
     stop,
     wait_ready,
@@ -71,6 +76,7 @@ from benchmarks.harness import (
 # ---- servers ---------------------------------------------------------------------------------
 VLLM_SERVERS = ("vllm", "vllm-2c", "vllm-ngram", "vllm-draft", "vllm-draft-tuned")
 VLLM_K = 4  # the peer's speculation block size (the draft model's and n-gram lookup's)
+WARMUPS = 2  # requests sent at once before each load, not measured, on prompts of their own
 
 
 def vllm_env(name: str, venv: Path) -> dict[str, str]:
@@ -214,11 +220,14 @@ def main() -> None:
     model_id, folder, dtype = model_folder(args.config)
     if "ours-vllm" in servers and model_folder(args.vllm_config)[0] != model_id:
         raise SystemExit(f"{args.vllm_config} serves another model id than {args.config}: the A/B needs the same")
-    most = max(requests.values())
-    prompts = {"humaneval": humaneval_prompts(args.vllm_venv, most), "chat": chat_prompts(most)}
+    counts = [requests[c] for c in concurrencies]
+    need = sum(counts) + WARMUPS * len(counts)
+    prompts = {"humaneval": humaneval_prompts(args.vllm_venv, need), "chat": chat_prompts(need)}
+    loads = {w: dict(zip(concurrencies, split_loads(prompts[w], counts, WARMUPS), strict=True)) for w in workloads}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench_serve_"))
-    datasets = {w: write_dataset(prompts[w], workdir / f"{w}.jsonl") for w in workloads}
+    datasets = {(w, c): write_dataset(load.prompts, workdir / f"{w}-{c}.jsonl")
+                for w in workloads for c, load in loads[w].items()}
     print(f"model {model_id} ({folder}), {dtype}; logs in {workdir}", flush=True)
 
     rows: list[dict] = []
@@ -227,7 +236,7 @@ def main() -> None:
         if server == "engine":
             for w in workloads:
                 for c in concurrencies:
-                    r = run_engine(args.config, w, prompts[w], c, args.max_tokens)
+                    r = run_engine(args.config, w, loads[w][c].prompts, c, args.max_tokens)
                     rows.append({"server": "engine (in-process, plain)", "workload": w, "concurrency": c, **r})
                     print(f"engine {w} c={c}: {r['output_throughput']:.1f} tok/s", flush=True)
             continue
@@ -237,9 +246,9 @@ def main() -> None:
             print(f"{server} ready in {ready:.0f} s", flush=True)
             for w in workloads:
                 for c in concurrencies:
-                    r = run_client(args.vllm_venv, w, datasets[w], c, model_id, folder, args.max_tokens, workdir,
+                    r = run_client(args.vllm_venv, w, datasets[w, c], c, model_id, folder, args.max_tokens, workdir,
                                    {"num_speculative_tokens": 0} if server == "ours-k0" else None,
-                                   num_prompts=requests[c])
+                                   num_prompts=requests[c], warmups=loads[w][c].warmups)
                     rows.append({"server": server, "workload": w, "concurrency": c, **r})
                     print(f"{server} {w} c={c}: {r['output_throughput']:.1f} tok/s, TPOT {r['mean_tpot_ms']:.1f} ms, "
                           f"TTFT {r['mean_ttft_ms']:.0f} ms, failed {r['failed']}", flush=True)

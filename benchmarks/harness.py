@@ -12,6 +12,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -26,6 +29,7 @@ DEFAULT_VENV = Path(os.environ.get("VLLM_VENV", Path.home() / ".cache/serve_app/
 PORT = 8000
 SERVE_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}  # the README's `serve run`: HAProxy ingress straight to the replica
 PROMPTS_PER_CONCURRENCY = {1: 8, 4: 16, 16: 48}  # at least 2 rounds of every stream, 48 at most
+WARMUP_TOKENS = 32  # per warm-up request of ``split_loads``: enough to run every path of a round
 WORKLOADS = {  # name -> (endpoint, vllm bench backend)
     "humaneval": ("/v1/completions", "openai"),
     "chat": ("/v1/chat/completions", "openai-chat"),
@@ -178,6 +182,46 @@ def chat_prompts(n: int) -> list[str]:
     return (GROUNDED + OPEN_ENDED + written)[:n]
 
 
+@dataclass(frozen=True)
+class Load:
+    """One load's prompts: the warm-up requests sent before it (not measured), then the measured ones."""
+
+    warmups: list[str]
+    prompts: list[str]
+
+
+def split_loads(prompts: Sequence[str], counts: Sequence[int], warmups: int = 2) -> list[Load]:
+    """Consecutive slices of ``prompts``, one per load in order: ``warmups`` then ``counts[i]`` prompts.
+    A server never sees a prompt twice, so none is credited for a prefix it cached from an earlier load or
+    a warm-up (vLLM caches prefixes by default; ``vllm bench serve``'s own ready check and warm-ups send
+    the load's first prompt three times before measuring it)."""
+    need = sum(counts) + warmups * len(counts)
+    if len(prompts) < need:
+        raise SystemExit(f"{len(counts)} loads of {', '.join(map(str, counts))} requests (+ {warmups} warm-ups "
+                         f"each) needs {need} distinct prompts; the prompt set has {len(prompts)}: "
+                         "lower --num-prompts")
+    loads, at = [], 0
+    for n in counts:
+        loads.append(Load(list(prompts[at:at + warmups]), list(prompts[at + warmups:at + warmups + n])))
+        at += warmups + n
+    return loads
+
+
+def warm_up(workload: str, prompts: Sequence[str], model_id: str, max_tokens: int, temperature: float,
+            extra_body: dict | None = None) -> None:
+    """Send ``prompts`` at once (one request each, not measured), as a load client's warm-up does."""
+    endpoint, _ = WORKLOADS[workload]
+
+    def send(prompt: str) -> None:
+        body = {"model": model_id, "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True,
+                **(extra_body or {})}
+        body |= {"messages": [{"role": "user", "content": prompt}]} if workload == "chat" else {"prompt": prompt}
+        httpx.post(f"http://127.0.0.1:{PORT}{endpoint}", json=body, timeout=900).raise_for_status()
+
+    with ThreadPoolExecutor(max(1, len(prompts))) as pool:
+        list(pool.map(send, prompts))
+
+
 def write_dataset(prompts: list[str], path: Path) -> Path:
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     return path
@@ -192,7 +236,10 @@ def result_line(out: subprocess.CompletedProcess, what: str) -> dict:
 
 def run_client(venv: Path, workload: str, dataset: Path, concurrency: int, model_id: str, folder: Path,
                max_tokens: int, workdir: Path, extra_body: dict | None = None, temperature: float = 0.0,
-               num_prompts: int | None = None) -> dict:
+               num_prompts: int | None = None, warmups: Sequence[str] | None = None) -> dict:
+    """vLLM's load client on ``dataset``'s first prompts. ``warmups``: sent first by this harness (the
+    client's own ready check and warm-ups off: they send the load's first prompt, ``split_loads``);
+    None: the client's own warm-ups."""
     endpoint, backend = WORKLOADS[workload]
     n = num_prompts or PROMPTS_PER_CONCURRENCY.get(concurrency, 3 * concurrency)
     cmd = [str(venv / "bin/python"), str(HERE / "vllm_client.py"), "--backend", backend, "--endpoint", endpoint,
@@ -200,18 +247,22 @@ def run_client(venv: Path, workload: str, dataset: Path, concurrency: int, model
            "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
            "--disable-shuffle", "--custom-output-len", str(max_tokens), "--num-prompts", str(n),
            "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", str(temperature),
-           "--num-warmups", "2", "--disable-tqdm"]
+           "--disable-tqdm"]
+    if warmups is None:
+        cmd += ["--num-warmups", "2"]
+    else:
+        warm_up(workload, warmups, model_id, WARMUP_TOKENS, temperature, extra_body)
+        cmd += ["--num-warmups", "0", "--ready-check-timeout-sec", "0"]
     if extra_body:
         cmd += ["--extra-body", json.dumps(extra_body)]
     return result_line(subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=workdir), "load client")
 
 
 def run_engine(config: Path, workload: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
-    """The in-process engine on the same prompts, as many in flight as the client keeps (a fresh process)."""
+    """The in-process engine on these prompts, as many in flight as the client keeps (a fresh process)."""
     engine = config_args(config).get("engine", {})
     keep = {k: engine[k] for k in ("model", "dtype", "max_seq_len", "num_threads") if k in engine}
-    n = PROMPTS_PER_CONCURRENCY.get(concurrency, 3 * concurrency)
-    arg = json.dumps([keep, prompts[:n], workload == "chat", concurrency, max_tokens])
+    arg = json.dumps([keep, list(prompts), workload == "chat", concurrency, max_tokens])
     out = subprocess.run([sys.executable, "-m", "benchmarks.engine_run", arg], capture_output=True, text=True,
                          timeout=1800, cwd=ROOT)
     return result_line(out, "in-process engine run")
