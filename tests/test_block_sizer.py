@@ -86,11 +86,26 @@ def test_the_round_timer_measures_result_to_result_and_never_across_an_admission
     timer = RoundTimer()
     result = VerifyResult(("a", "b"), torch.tensor([2, 0]), torch.tensor([1, 0]),
                           torch.tensor([[5, 6, -1], [7, -1, -1]]))
-    timer.drafted("draft", 2, 0.004)
+    timer.drafted("draft", [2, 0], 0.004)
     _, first = timer.finish(result, 0.0, 0.0, None, admitted=False)
     assert (first.tokens, first.batch, first.gained, first.interval_s) == (4, 2, 3, None)
-    assert first.draft_s == {"draft": (2, 0.004)}
+    assert first.draft_s == {"draft": (2, 0.004)} and first.draft_rows == {"draft": 1}
     _, second = timer.finish(result, 0.0, 0.0, timer.overhead(), admitted=False)
     assert second.interval_s is not None and second.interval_s >= 0 and second.draft_s == {}
     _, third = timer.finish(result, 0.0, 0.0, None, admitted=True)
     assert third.interval_s is None
+
+
+def test_a_round_whose_draft_read_first_is_timed_as_a_catch_up_and_a_hand_over_is_not_a_rounds_interval():
+    timer = RoundTimer()
+    result = VerifyResult(("a", "b"), torch.tensor([2, 2]), torch.tensor([1, 0]),
+                          torch.tensor([[5, 6, -1], [7, -1, -1]]))
+    timer.finish(result, 0.0, 0.0, None, admitted=False)
+    timer.drafted("draft", [2, 2], None)  # caught up first: its seconds are not a draft step's
+    _, probe = timer.finish(result, 0.0, 0.0, None, admitted=False, read=40)
+    assert probe.draft_s == {} and probe.draft_rows == {"draft": 2}
+    assert probe.catch_up is not None and probe.catch_up[0] == 40 and probe.catch_up[1] == probe.interval_s
+    _, handed = timer.finish(result, 0.0, 0.0, None, admitted=False, read=300, handed_over=True)
+    assert handed.interval_s is None and handed.catch_up is not None and handed.catch_up[0] == 300
+    _, beside = timer.finish(result, 0.0, 0.0, None, admitted=True, read=300, handed_over=True)
+    assert beside.catch_up is None  # beside the target's prefill: not what catching up costs

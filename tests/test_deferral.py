@@ -254,7 +254,44 @@ def test_a_round_that_hands_held_sequences_to_the_draft_is_not_what_the_policy_l
         engine.add_request(p, GenerationParams(max_tokens=n, ignore_eos=True))
     while len(engine.running) + len(engine.waiting) != 1 or not engine.deferral.held:
         engine.step()
+    context = engine.running[next(iter(engine.deferral.held))].num_tokens
     engine.step()  # alone: the held one is handed over, and drafts
     assert not engine.deferral.held and learned[-1].k == 3 and learned[-1].interval_s is None
+    assert learned[-1].catch_up is not None and learned[-1].catch_up[0] == context  # what the draft read first
     engine.step()
-    assert learned[-1].k == 3 and learned[-1].interval_s is not None
+    assert learned[-1].k == 3 and learned[-1].interval_s is not None and learned[-1].catch_up is None
+
+
+class DraftsAloneAtAPrice(DraftsAlone):
+    """Would draft for a sequence alone, but a hand-over pays only as ``pays`` says; records what it is asked."""
+
+    def __init__(self, pays: bool) -> None:
+        super().__init__()
+        self.pays, self.asked = pays, []
+
+    def hand_over_pays(self, rows: Sequence[Row], remaining: int, read: int) -> bool:
+        self.asked.append((len(rows), remaining, read))
+        return self.pays
+
+
+def test_held_sequences_stay_held_where_the_hand_over_does_not_pay_for_the_catch_up(tiny_models):
+    """The policy is asked with the tokens the running requests may still generate and the tokens the
+    draft would have to read; where it says no, the held sequence decodes plainly to its end."""
+    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=2)
+    engine.policy = policy = DraftsAloneAtAPrice(pays=False)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    plain = engine.generate(prompts, GenerationParams(max_tokens=24, method="none", ignore_eos=True))
+    ids = [engine.add_request(p, GenerationParams(max_tokens=n, ignore_eos=True))
+           for p, n in zip(prompts, (6, 24), strict=True)]
+    outputs: dict[str, list[int]] = {}
+    while len(engine.running) + len(engine.waiting) != 1 or not engine.deferral.held:
+        for out in engine.step():
+            outputs[out.request_id] = out.token_ids
+    held = engine.running[ids[1]]
+    left, context = 24 - len(held.output_ids), held.num_tokens
+    while engine.has_work:
+        for out in engine.step():
+            outputs[out.request_id] = out.token_ids
+        assert engine.last_costs.k == 0
+    assert policy.asked[0] == (1, left, context)
+    assert ids[1] in outputs and [outputs[i] for i in ids] == [plain[0].token_ids[:6], plain[1].token_ids]

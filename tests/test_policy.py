@@ -37,6 +37,32 @@ def test_linear_cost_from_bunched_samples_does_not_extrapolate_wildly():
     assert cost(1) == pytest.approx(0.006, rel=0.1) and cost(8) == pytest.approx(0.048, rel=0.1)
 
 
+def test_linear_cost_with_a_second_feature_learns_each_slope():
+    """A draft call: a fixed cost, a forward a step, and each row past the first a share of a step."""
+    cost = LinearCost(0.002, 0.002, 0.0)
+    for _ in range(60):
+        for steps, rows in ((1, 1), (3, 1), (4, 1), (2, 2), (4, 2)):
+            cost.add((steps, steps * (rows - 1)), 0.02 + 0.035 * steps + 0.008 * steps * (rows - 1))
+    assert cost(4, 12) == pytest.approx(0.02 + 0.035 * 4 + 0.008 * 12, rel=0.05)  # 4 rows, never seen
+
+
+def test_the_draft_line_learns_what_rows_cost_and_prices_a_batch_it_never_drafted_for():
+    """Served (the real pair, 0.5 B int8 draft on one core): a call of 4 steps took 0.16 s for one row,
+    0.19 for two and 0.32 for four; the line knew steps only, and priced four rows at one row's 0.16 s, so
+    a one-row probe at 4 streams made drafting for all four look like a gain (it was not)."""
+    def draft(steps: int, rows: int) -> float:
+        return 0.02 + steps * (0.027 + 0.0075 * rows)
+
+    policy = BlockSizePolicy(max_k=4)
+    for _ in range(40):
+        for rows in (1, 2):
+            policy.record_costs(RoundCosts(rows * 5, 0.15, {"draft": (4, draft(4, rows))}, 0.005, batch=rows,
+                                           interval_s=0.35, draft_rows={"draft": rows}))
+    one, four = ({"draft": 1}, {"draft": 4})
+    called = policy.seconds(4, 20, {"draft": 4}, rows=four) - policy.seconds(4, 20, {"draft": 4}, rows=one)
+    assert called == pytest.approx(draft(4, 4) - draft(4, 1), rel=0.15)
+
+
 def simulate(policy: BlockSizePolicy, rows: list[Row], alpha: float, verify, draft, rounds: int,
              rng: random.Random) -> list[list[int]]:
     """Feed the policy rounds of a world where each draft is accepted with probability ``alpha``,

@@ -256,3 +256,27 @@ def test_it_would_draft_for_a_sequence_alone_until_measured_and_then_as_its_own_
     cheap = lambda batch, k: 0.050 + 0.0005 * batch * (1 + k) + (0.002 + 0.002 * k if k else 0.0)  # noqa: E731
     play(policy, 300, 4, lambda t: 0.9, cheap, seen_step=0.002)
     assert policy.would_draft(rows(4))  # drafting leads at 4 once it pays there
+
+
+def test_a_hand_over_is_played_only_when_drafting_is_predicted_to_gain_more_than_the_catch_up_costs():
+    """Handing held sequences to a draft makes it read their whole contexts first (the real pair at 4
+    streams: 1.9 s for a round of 0.6 s, three sequences of ~190 tokens). It pays only if drafting's
+    predicted gain over the tokens still to generate covers that; the cost of a token read is learned
+    from rounds that caught up (``RoundCosts.catch_up``: what they took past a round's predicted time)."""
+    policy = fresh()
+    rows = [Row(f"s{i}", MAX_K, "draft") for i in range(4)]
+    play(policy, 300, 4, lambda t: 0.9, true_seconds(0.002, 0.001), 0.001)
+    gained, seconds = zip(*policy.predict(rows), strict=True)
+    rates = [g / s for g, s in zip(gained, seconds, strict=True)]
+    leader = max(range(len(rates)), key=rates.__getitem__)
+    assert leader > 0 and rates[leader] > 1.2 * rates[0]  # drafting leads at this batch
+    saved_per_token = 1 / rates[0] - 1 / rates[leader]
+    predicted = policy.model.seconds(4, 4 + 4 * leader, {"draft": leader}, rows={"draft": 4})
+    for tokens in (100, 300, 600) * 10:  # caught up at 2 ms a token read
+        policy.record_costs(RoundCosts(4 + 4 * leader, 0.03, {}, 0.003, batch=4, k=leader, gained=8,
+                                       draft_rows={"draft": 4}, catch_up=(tokens, predicted + 0.002 * tokens)))
+    assert policy.model.catch_up(600) == pytest.approx(1.2, rel=0.1)
+    enough = 1.3 / saved_per_token  # tokens to generate whose predicted saving passes 1.2 s
+    assert policy.hand_over_pays(rows, remaining=int(enough), read=600)
+    assert not policy.hand_over_pays(rows, remaining=int(enough / 1.3), read=600)
+    assert not policy.hand_over_pays(rows, remaining=10 ** 6, read=10 ** 9)

@@ -53,6 +53,16 @@ class BlockSizer:
         return seeded or self.policy.would_draft(
             [Row(r.request_id, c, r.method) for r, c in zip(requests, caps, strict=True)])
 
+    def hand_over_pays(self, requests: Sequence[Request], bounds: Sequence[int], read: int) -> bool:
+        """``KPolicy.hand_over_pays`` for these requests, over the tokens they may still generate; a seeded
+        request drafts its cap, whatever it costs."""
+        caps = self.caps(requests, bounds)
+        if any(c and r.params.sampling.seed is not None for r, c in zip(requests, caps, strict=True)):
+            return True
+        remaining = sum(max(0, r.params.max_tokens - len(r.output_ids)) for r in requests)
+        return self.policy.hand_over_pays([Row(r.request_id, c, r.method) for r, c in zip(requests, caps, strict=True)],
+                                          remaining, read)
+
     def choose(self, requests: Sequence[Request], bounds: Sequence[int], pipelined: bool = False) -> list[int]:
         """This round's k for each request, within ``bounds`` (the engine's hard bounds per request)."""
         caps = self.caps(requests, bounds)

@@ -5,8 +5,11 @@ draft and target share cores it slows the target while it runs. A sequence admit
 where the k policy would not draft (a large batch on a CPU) is kept out of its proposer (it decodes
 plainly) when that proposer can take it later (``Proposer.can_add_later``); once the policy would
 draft for the running batch again (``KPolicy.would_draft``: its own choice, not one of its
-once-in-a-while probes), every such sequence is handed over with its whole context so far, and drafts
-from the rounds after its prefill.
+once-in-a-while probes) and drafting is predicted to gain more over the tokens the batch may still
+generate than the draft's reading of the held sequences' contexts costs (``KPolicy.hand_over_pays``: on
+the real pair at 4 streams a hand-over took 1.9 s where a round drafting takes 0.8, for one such round),
+every such sequence is handed over with its whole context so far, and drafts from the rounds after its
+prefill.
 
 A decoder draft, and an EAGLE head (``Proposer.reads_late``), reads the tokens of a sequence it holds
 only when it next drafts for it: after a stretch of plain rounds, every token of the stretch at once (a
@@ -15,7 +18,8 @@ So a probe (a drafting round the policy's own choice would not play) drafts only
 draft is least behind on (``scout``): one sequence catches up, not the batch. The round's interval,
 catch-up included, is what the policy learns (what drafting there costs); the draft call's seconds
 are not a draft step's cost. A round that hands held sequences over holds their
-prefill: the policy learns nothing from it (``handed_over``).
+prefill: its interval is not what a round costs (``handed_over``). Either way the tokens the draft read
+first (``read_first``) and the round's time teach the policy what catching up costs.
 """
 
 from __future__ import annotations
@@ -32,13 +36,16 @@ from serve_app.speculation.types import ProposalBlock
 
 class Deferral:
     def __init__(self, proposers: Mapping[SpeculationMethod, Proposer],
-                 would_draft: Callable[[Sequence[Request]], bool]):
-        """``would_draft(requests)``: whether the k policy's own choice drafts for that batch."""
-        self.proposers, self.would_draft = proposers, would_draft
+                 would_draft: Callable[[Sequence[Request]], bool],
+                 pays: Callable[[Sequence[Request], int], bool] = lambda requests, read: True):
+        """``would_draft(requests)``: whether the k policy's own choice drafts for that batch; ``pays(requests,
+        read)``: whether drafting for them gains more than a draft reading ``read`` tokens first costs."""
+        self.proposers, self.would_draft, self.pays = proposers, would_draft, pays
         self.held: set[str] = set()  # running requests their proposer does not hold yet
         self.early: set[str] = set()  # handed over before the target's prefill (``start``), not running yet
         self.read: dict[str, int] = {}  # tokens of a sequence its draft has read (``reads_late``: at its last draft)
         self.handed_over = False  # the last ``split`` gave held sequences to their proposer
+        self.read_first = 0  # tokens the drafts read this round before drafting (``split`` and ``scout``)
 
     def start(self, req: Request, batch: Sequence[Request]) -> Callable[[], None]:
         """Admission is about to cache ``req``'s prompt on the target. A proposer that needs nothing of the
@@ -85,17 +92,25 @@ class Deferral:
         for the running batch again. Returns the held ones' empty block (they decode plainly) and the
         requests that propose as usual."""
         self.handed_over = self.releasing(running)
+        self.read_first = 0
         if self.handed_over:
             for seq_id in self.held:
                 req = running[seq_id]
                 self.proposers[req.method].add_sequence(seq_id, req.context_ids, req.params.sampling)
                 self.read[seq_id] = req.num_tokens
+                self.read_first += req.num_tokens
             self.held.clear()
         if not self.held:
             return [], list(requests)
         plain = [r.request_id for r in requests if r.request_id in self.held]
         rest = [r for r in requests if r.request_id not in self.held]
         return [ProposalBlock.make_dummy(plain, [[] for _ in plain])], rest
+
+    def took(self) -> tuple[int, bool]:
+        """(tokens the drafts read first, whether held sequences were handed over) since the last call: what
+        the round just run took (none for a plain round sent ahead, which no ``split`` preceded)."""
+        took, self.read_first, self.handed_over = (self.read_first, self.handed_over), 0, False
+        return took
 
     def behind(self, req: Request) -> int | None:
         """Tokens of ``req`` its draft has still to read (None: not one that catches up)."""
@@ -114,8 +129,10 @@ class Deferral:
             keep = min(lag, key=lambda s: (lag[s], s))
             for seq_id in lag.keys() - {keep}:
                 sizes[seq_id] = 0
-        catches_up = any(sizes[r.request_id] and lag.get(r.request_id, 0) > r.num_speculative_tokens + 1
-                         for r in requests)
+        behind = [lag[r.request_id] for r in requests
+                  if sizes[r.request_id] and lag.get(r.request_id, 0) > r.num_speculative_tokens + 1]
+        self.read_first += sum(behind)
+        catches_up = bool(behind)
         for seq_id in [*(r.request_id for r in requests if sizes[r.request_id]), *ahead]:
             if seq_id in self.read:
                 self.read[seq_id] = running[seq_id].num_tokens
@@ -123,7 +140,10 @@ class Deferral:
 
     def releasing(self, running: Mapping[str, Request]) -> bool:
         """Whether the next round's ``split`` hands the held sequences over (so that round may draft)."""
-        return bool(self.held) and self.would_draft(list(running.values()))
+        if not self.held:
+            return False
+        batch = list(running.values())
+        return self.would_draft(batch) and self.pays(batch, sum(running[s].num_tokens for s in self.held))
 
     def discard(self, seq_id: str) -> None:
         self.held.discard(seq_id)

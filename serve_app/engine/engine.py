@@ -74,7 +74,9 @@ class Engine:
         self.admission = Admission(prefill_chunk)
         self.waiting, self.prefilling = self.admission.waiting, self.admission.prefilling  # the same queues
         self.running: dict[str, Request] = {}
-        self.deferral = Deferral(self.proposers, self._would_draft)  # who the draft takes, and when
+        self.deferral = Deferral(  # who the draft takes, and when
+            self.proposers, lambda reqs: self.sizer.would_draft(reqs, [self._bound(r) for r in reqs]),
+            lambda reqs, read: self.sizer.hand_over_pays(reqs, [self._bound(r) for r in reqs], read))
         self.stats = SpecStats()
         self._ids = itertools.count()
         self.pipeline = PlainPipeline()  # plain rounds sent ahead (only where the verifier can_send_ahead)
@@ -183,13 +185,13 @@ class Engine:
                 return []
             start = time.perf_counter()
             block = self._propose(list(self.running.values()))
-            admitted = admitted or self.deferral.handed_over  # the draft's prefill of sequences handed over ran
             verify_start = time.perf_counter()
             result, ahead_blocks = self.ahead.verify(self.verifier, block, self._ahead_rows(block))
         for proposer in self.proposers.values():
             proposer.observe(result)
         disturbed = admitted or any(p.busy for p in self.proposers.values())  # beside a prefill: not what a round costs
-        elapsed, self.last_costs = self.timer.finish(result, start, verify_start, overhead, disturbed)
+        elapsed, self.last_costs = self.timer.finish(result, start, verify_start, overhead, disturbed,
+                                                     *self.deferral.took())
         self.sizer.on_round(result, self.last_costs)
         self.on_round(result, elapsed)
         if self.verifier.can_send_ahead and not self.prefilling and not self.ahead.ready \
@@ -250,8 +252,8 @@ class Engine:
                 ks = [sizes[s] for s in group]
                 start = time.perf_counter()
                 blocks.append(proposer.propose(group, ks))
-                if any(ks) and not catching_up:
-                    self.timer.drafted(method, max(ks), time.perf_counter() - start)
+                if any(ks):
+                    self.timer.drafted(method, ks, None if catching_up else time.perf_counter() - start)
         return ProposalBlock.concat(blocks)
 
     def _block_sizes(self, requests: Sequence[Request], pending: Mapping[str, int] | None = None) -> list[int]:
@@ -260,9 +262,6 @@ class Engine:
         held, pending = self.deferral.held, pending or {}
         bounds = [0 if r.request_id in held else self._bound(r, pending.get(r.request_id, 0)) for r in requests]
         return self.sizer.choose(requests, bounds, pipelined=self.verifier.can_send_ahead)
-
-    def _would_draft(self, requests: Sequence[Request]) -> bool:
-        return self.sizer.would_draft(requests, [self._bound(r) for r in requests])
 
     def _bound(self, req: Request, pending: int = 0) -> int:
         """The most a request may draft: never past max_tokens (the target adds one token of its own)

@@ -22,7 +22,7 @@ SGLang's ``AdaptiveStepSlot`` adapts EAGLE's steps from acceptance alone; this a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from serve_app.speculation.arms import RealizedRates
@@ -30,28 +30,63 @@ from serve_app.speculation.types import VerifyResult
 
 
 class LinearCost:
-    """t(x) = a + b·x, fitted online by exponentially weighted least squares.
+    """t(x) = a + b·x (or a + b₁·x₁ + b₂·x₂ + ...), fitted online by exponentially weighted least squares.
 
-    The slope is shrunk toward the prior line's (ridge, ``stiffness`` in samples at unit distance)
+    The slopes are shrunk toward the prior line's (ridge, ``stiffness`` in samples at unit distance)
     so that samples bunched at a few x (a draft that always runs 3-4 steps) do not extrapolate
-    wildly; with no sample yet the prior line stands."""
+    wildly, and a feature never varied (rows, while one sequence ran) keeps its prior slope; with no
+    sample yet the prior line stands."""
 
-    def __init__(self, a: float, b: float, decay: float = 0.98, stiffness: float = 1.0):
-        self.decay, self.stiffness, self.prior_b = decay, stiffness, b
-        self._s = [0.0] * 5  # decayed sums of w, w·x, w·t, w·x², w·x·t
-        self.a, self.b = a, b
+    def __init__(self, a: float, *b: float, decay: float = 0.98, stiffness: float = 1.0):
+        self.decay, self.stiffness, self.prior = decay, stiffness, b
+        n = len(b)
+        self._w, self._t, self._x = 0.0, 0.0, [0.0] * n  # decayed sums of w, w·t, w·x
+        self._xx, self._xt = [[0.0] * n for _ in range(n)], [0.0] * n  # of w·x·xᵀ, w·x·t
+        self.a, self.slopes = a, list(b)
 
-    def add(self, x: float, t: float) -> None:
-        self._s = [v * self.decay + new for v, new in zip(self._s, (1.0, x, t, x * x, x * t), strict=True)]
-        w, sx, st, sxx, sxt = self._s
-        mx, mt = sx / w, st / w
-        spread = sxx - w * mx * mx + self.stiffness
-        b = (sxt - w * mx * mt + self.stiffness * self.prior_b) / spread if spread > 1e-12 else self.prior_b
-        self.b = max(b, 0.0)  # more work never costs less
-        self.a = max(mt - self.b * mx, 0.0)
+    @property
+    def b(self) -> float:
+        return self.slopes[0]
 
-    def __call__(self, x: float) -> float:
-        return self.a + self.b * x
+    def add(self, x: float | Sequence[float], t: float) -> None:
+        xs = [float(x)] if isinstance(x, int | float) else [float(v) for v in x]
+        d = self.decay
+        self._w, self._t = self._w * d + 1.0, self._t * d + t
+        for i, xi in enumerate(xs):
+            self._x[i] = self._x[i] * d + xi
+            self._xt[i] = self._xt[i] * d + xi * t
+            for j, xj in enumerate(xs):
+                self._xx[i][j] = self._xx[i][j] * d + xi * xj
+        w, n = self._w, len(xs)
+        mx, mt = [v / w for v in self._x], self._t / w
+        cov = [[self._xx[i][j] - w * mx[i] * mx[j] + (self.stiffness if i == j else 0.0) for j in range(n)]
+               for i in range(n)]
+        rhs = [self._xt[i] - w * mx[i] * mt + self.stiffness * self.prior[i] for i in range(n)]
+        slopes = solve(cov, rhs)
+        # more work never costs less
+        self.slopes = list(self.prior) if slopes is None else [max(v, 0.0) for v in slopes]
+        self.a = max(mt - sum(b * m for b, m in zip(self.slopes, mx, strict=True)), 0.0)
+
+    def __call__(self, *x: float) -> float:
+        return self.a + sum(b * v for b, v in zip(self.slopes, x, strict=False))
+
+
+def solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """x with matrix·x = rhs (Gaussian elimination, partial pivoting); None where singular."""
+    n = len(rhs)
+    m = [[*row, r] for row, r in zip(matrix, rhs, strict=True)]
+    for c in range(n):
+        pivot = max(range(c, n), key=lambda i: abs(m[i][c]))
+        if abs(m[pivot][c]) < 1e-12:
+            return None
+        m[c], m[pivot] = m[pivot], m[c]
+        for i in range(c + 1, n):
+            f = m[i][c] / m[c][c]
+            m[i] = [v - f * u for v, u in zip(m[i], m[c], strict=True)]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (m[i][n] - sum(m[i][j] * x[j] for j in range(i + 1, n))) / m[i][i]
+    return x
 
 
 class Acceptance:
@@ -106,6 +141,10 @@ class RoundCosts:
     interval_s: float | None = None  # from the last round's result to this one's, all included (None: unknown)
     gained: int = 0  # tokens the round added over the batch (accepted drafts + one each)
     k: int = 0  # the most draft tokens any sequence was asked for (0: a plain round)
+    draft_rows: Mapping[str, int] = field(default_factory=dict)  # per proposer that drafted: the rows it drafted for
+    # a round whose draft first read tokens it was behind on (a hand-over's contexts, a probe after plain
+    # rounds): (tokens read, the round's seconds result to result); None: none read, or not measured
+    catch_up: tuple[int, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +166,11 @@ class KPolicy(Protocol):
     def would_draft(self, rows: Sequence[Row]) -> bool:
         """Whether these rows are worth a draft's prefill: the policy's own choice would draft for them
         (its once-in-a-while probes aside). A pure query (``engine.deferral`` asks it)."""
+        ...
+
+    def hand_over_pays(self, rows: Sequence[Row], remaining: int, read: int) -> bool:
+        """Whether drafting for these rows is predicted to gain, over the ``remaining`` tokens they may still
+        generate, more than a draft reading ``read`` tokens first costs (``engine.deferral``). A pure query."""
         ...
 
     def observe(self, result: VerifyResult) -> None: ...
@@ -151,6 +195,9 @@ class FixedPolicy:
     def would_draft(self, rows: Sequence[Row]) -> bool:
         return any(self.choose(rows))
 
+    def hand_over_pays(self, rows: Sequence[Row], remaining: int, read: int) -> bool:
+        return True  # every row drafts its cap, whatever it costs
+
     def observe(self, result: VerifyResult) -> None:
         pass
 
@@ -171,9 +218,12 @@ class BlockSizePolicy:
 
     def __init__(self, max_k: int, prior_alpha: float = 0.6, prior_weight: float = 4.0,
                  seq_decay: float = 0.9, global_decay: float = 0.99,
-                 verify_cost: tuple[float, float] = (0.015, 0.001), draft_cost: tuple[float, float] = (0.002, 0.002)):
-        """``verify_cost``/``draft_cost``: prior lines (seconds; a + b·tokens, a + b·steps) until rounds
-        are measured. ``prior_alpha``: the acceptance assumed before any round."""
+                 verify_cost: tuple[float, float] = (0.015, 0.001),
+                 draft_cost: tuple[float, ...] = (0.002, 0.002, 0.0),
+                 catch_up_cost: tuple[float, float] = (0.0, 0.002)):
+        """``verify_cost``/``draft_cost``/``catch_up_cost``: prior lines (seconds; a + b·tokens; a + b·steps +
+        c·steps·(rows - 1), c 0 if not given; a + b·tokens read) until rounds are measured. ``prior_alpha``:
+        the acceptance assumed before any round."""
         self.max_k = max_k
         self.prior_alpha = prior_alpha
         self.prior_weight = prior_weight
@@ -181,7 +231,7 @@ class BlockSizePolicy:
         self.engine_wide = Acceptance(global_decay)
         self.sequences: dict[str, Acceptance] = {}
         self.verify = LinearCost(*verify_cost)
-        self.draft_prior = draft_cost
+        self.draft_prior = (*draft_cost, 0.0)[:3]
         self.drafts: dict[str, LinearCost] = {}
         self.overhead = 0.0  # the engine's own seconds a round, outside the calls (EMA)
         # A plain round's cost as served: result to result against the batch, everything included (a
@@ -189,6 +239,9 @@ class BlockSizePolicy:
         # alone would make plain decoding look cheaper than it is and speculation flap on and off).
         self.plain = LinearCost(*verify_cost)
         self.plain_rounds = 0
+        # What a draft takes to read tokens it is behind on before it drafts (its prefill of a sequence handed
+        # over, the tokens of a plain stretch): past what the round was predicted to take without them.
+        self.catch_up = LinearCost(*catch_up_cost)
 
     # ---- learning ----------------------------------------------------------------------------
     def observe(self, result: VerifyResult) -> None:
@@ -212,13 +265,19 @@ class BlockSizePolicy:
         teach the target's line what a token costs at batch sizes no round drafted at (drafting rounds
         alone, all at one stream and one k, would leave it flat)."""
         self.verify.add(costs.tokens, costs.verify_s)
+        if costs.catch_up is not None:
+            read, took = costs.catch_up
+            predicted = self.seconds(costs.batch, costs.tokens, dict.fromkeys(costs.draft_rows, costs.k),
+                                     rows=costs.draft_rows)
+            self.catch_up.add(read, max(took - predicted, 0.0))
         if costs.tokens == costs.batch:  # a plain round
             if costs.interval_s is not None:
                 self.plain.add(costs.batch, costs.interval_s)
                 self.plain_rounds += 1
             return
         for method, (steps, seconds) in costs.draft_s.items():
-            self.drafts.setdefault(method, LinearCost(*self.draft_prior)).add(steps, seconds)
+            rows = costs.draft_rows.get(method, 1)
+            self.drafts.setdefault(method, LinearCost(*self.draft_prior)).add((steps, steps * (rows - 1)), seconds)
         if costs.overhead_s is not None:
             self.overhead = 0.9 * self.overhead + 0.1 * costs.overhead_s
 
@@ -242,31 +301,40 @@ class BlockSizePolicy:
     def would_draft(self, rows: Sequence[Row]) -> bool:
         return any(self.choose(rows))
 
+    def hand_over_pays(self, rows: Sequence[Row], remaining: int, read: int) -> bool:
+        ks, rate, plain_rate = self.best(rows)
+        return any(ks) and remaining * (1 / plain_rate - 1 / rate) > self.catch_up(read)
+
     def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]:
         """k for each row, to maximise expected tokens per second of this round. A pure query."""
-        if not rows:
-            return []
+        return self.best(rows, plain_overhead_hidden)[0]
+
+    def best(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> tuple[list[int], float, float]:
+        """(``choose``'s k per row, its predicted tokens per second, plain decoding's)."""
         batch = len(rows)
-        best, best_rate = [0] * batch, batch / max(self.seconds(batch, batch, {}, plain_overhead_hidden), 1e-9)
-        top = min(self.max_k, max(r.cap for r in rows))
+        plain_rate = batch / max(self.seconds(batch, batch, {}, plain_overhead_hidden), 1e-9)
+        best, best_rate = [0] * batch, plain_rate
+        top = min(self.max_k, max((r.cap for r in rows), default=0))
         if top <= 0:
-            return best
+            return best, best_rate, plain_rate
         gains = self.gains(rows, top)
         for longest in range(1, top + 1):
             candidates = sorted(((g[j], i) for i, g in enumerate(gains) for j in range(min(longest, len(g)))),
                                 reverse=True)
             ks, steps = [0] * batch, dict.fromkeys({r.method for r in rows}, 0)
+            drafting = dict.fromkeys(steps, 0)
             tokens, gained = batch, 0.0
             for gain, i in candidates:  # every prefix of the greedy order, the best one kept
+                method = rows[i].method
+                drafting[method] += ks[i] == 0
                 ks[i] += 1
                 tokens += 1
                 gained += gain
-                method = rows[i].method
                 steps[method] = max(steps[method], ks[i])
-                rate = (batch + gained) / max(self.seconds(batch, tokens, steps, plain_overhead_hidden), 1e-9)
+                rate = (batch + gained) / max(self.seconds(batch, tokens, steps, plain_overhead_hidden, drafting), 1e-9)
                 if rate > best_rate:
                     best, best_rate = list(ks), rate
-        return best
+        return best, best_rate, plain_rate
 
     def gains(self, rows: Sequence[Row], top: int) -> list[list[float]]:
         """``gains[i][j]``: P(row i's first j + 1 drafts are all accepted), non-increasing in j; j < its cap."""
@@ -279,14 +347,17 @@ class BlockSizePolicy:
             out.append(g)
         return out
 
-    def seconds(self, batch: float, tokens: float, steps: Mapping[str, int], plain_overhead_hidden: bool = False
-                ) -> float:
+    def seconds(self, batch: float, tokens: float, steps: Mapping[str, int], plain_overhead_hidden: bool = False,
+                rows: Mapping[str, float] | None = None) -> float:
         """A round's predicted time: the target verifying ``tokens``, each proposer's longest block
-        ``steps[method]``, the engine's overhead; a plain round (tokens == batch) as plain rounds took."""
+        ``steps[method]`` for its ``rows[method]`` drafting rows (default 1), the engine's overhead; a
+        plain round (tokens == batch) as plain rounds took."""
         if tokens == batch:
             return self.plain(batch) if self.plain_rounds >= 8 else \
                 self.verify(batch) + (0.0 if plain_overhead_hidden else self.overhead)
-        return self.overhead + self.verify(tokens) + sum(self._draft_cost(m)(n) for m, n in steps.items() if n)
+        rows = rows or {}
+        return self.overhead + self.verify(tokens) + sum(
+            self._draft_cost(m)(n, n * (max(rows.get(m, 1), 1) - 1)) for m, n in steps.items() if n)
 
     def snapshot(self) -> dict:
         """What the policy sees now (for metrics, logs and the planner)."""
@@ -294,7 +365,9 @@ class BlockSizePolicy:
             "acceptance_per_position": [None if (a := self.engine_wide.measured(j)) is None else round(a, 4)
                                         for j in range(len(self.engine_wide.reached))],  # None: never reached
             "verify_s": {"fixed": round(self.verify.a, 6), "per_token": round(self.verify.b, 6)},
-            "draft_s": {m: {"fixed": round(c.a, 6), "per_step": round(c.b, 6)} for m, c in self.drafts.items()},
+            "draft_s": {m: {"fixed": round(c.a, 6), "per_step": round(c.b, 6), "per_row_step": round(c.slopes[1], 6)}
+                        for m, c in self.drafts.items()},
+            "catch_up_s": {"fixed": round(self.catch_up.a, 6), "per_token": round(self.catch_up.b, 6)},
             "overhead_s": round(self.overhead, 6),
             "plain_round_s": {"fixed": round(self.plain.a, 6), "per_sequence": round(self.plain.b, 6)},
         }

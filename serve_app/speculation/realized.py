@@ -95,13 +95,17 @@ class RealizedPolicy:
         for arm in range(top + 1):
             ks = [min(r.cap, arm) for r in rows]
             steps = {m: max(k for r, k in zip(rows, ks, strict=True) if r.method == m) for m in methods}
+            drafting = {m: sum(k > 0 for r, k in zip(rows, ks, strict=True) if r.method == m) for m in methods}
             gained = batch + sum(sum(g[:k]) for g, k in zip(gains, ks, strict=True))
-            seconds = self.model.seconds(batch, batch + sum(ks), steps)
+            seconds = self.model.seconds(batch, batch + sum(ks), steps, rows=drafting)
             m = calibration.nearest(arm)
             if m is not None:
                 c = calibration
                 gained = batch + (gained - batch) * acceptance
-                then = self.model.seconds(c.mean("batch", m), c.mean("tokens", m), dict.fromkeys(methods, m))
+                # those rounds' drafting rows: their draft tokens over the arm (a probe drafts for one row)
+                then_rows = dict.fromkeys(methods, (c.mean("tokens", m) - c.mean("batch", m)) / max(m, 1))
+                then = self.model.seconds(c.mean("batch", m), c.mean("tokens", m), dict.fromkeys(methods, m),
+                                          rows=then_rows)
                 seconds *= c.mean("seconds", m) / max(then, 1e-9)
             out.append((gained, max(seconds, 1e-9)))
         return out
@@ -121,6 +125,13 @@ class RealizedPolicy:
         if calibration is not None and any(w > 0 for w in calibration.sums["weight"][1:]):
             return self.leader(rows) > 0
         return len(rows) == 1
+
+    def hand_over_pays(self, rows: Sequence[Row], remaining: int, read: int) -> bool:
+        """The leader's predicted gain over plain decoding, over ``remaining`` tokens, against the model's
+        line of what reading ``read`` tokens costs the draft."""
+        rates = self.rates(rows)
+        leader = best(rates)
+        return leader > 0 and remaining * (1 / rates[0] - 1 / rates[leader]) > self.model.catch_up(read)
 
     def arm(self, rows: Sequence[Row]) -> int:
         predicted = self.predict(rows)
