@@ -45,7 +45,7 @@ class Deferral:
         self.early: set[str] = set()  # handed over before the target's prefill (``start``), not running yet
         self.read: dict[str, int] = {}  # tokens of a sequence its draft has read (``reads_late``: at its last draft)
         self.handed_over = False  # the last ``split`` gave held sequences to their proposer
-        self.read_first = 0  # tokens the drafts read this round before drafting (``split`` and ``scout``)
+        self.read_first = 0  # tokens the drafts read this round before drafting (``split`` and ``scout``; ``took``)
 
     def start(self, req: Request, batch: Sequence[Request]) -> Callable[[], None]:
         """Admission is about to cache ``req``'s prompt on the target. A proposer that needs nothing of the
@@ -92,7 +92,6 @@ class Deferral:
         for the running batch again. Returns the held ones' empty block (they decode plainly) and the
         requests that propose as usual."""
         self.handed_over = self.releasing(running)
-        self.read_first = 0
         if self.handed_over:
             for seq_id in self.held:
                 req = running[seq_id]
