@@ -2,12 +2,14 @@
 // bfloat16, or in int8 with a float32 scale per output column (a draft model's weights at half the bytes).
 //
 // The weight is packed once into blocks of 16 output columns, [N / 16][K][16], so a block streams
-// from memory in one run; x is laid out as panels of 6 rows, [M / 6][K][6], so a k step broadcasts
-// its 6 values from one cache line. The micro-kernel keeps 6 x 16 float32 sums in 12 registers (the
-// BLIS / ggml AVX2 shape) and reads each weight once per panel, converting bfloat16 to float32 in
-// registers. With more
-// than one panel, k runs in chunks of KC so a panel and a block stay in L1; with one (decoding,
-// verifying), each block streams once from end to end, prefetched ahead.
+// from memory in one run; x is laid out as panels of up to 6 rows (split evenly: 16 rows as 6, 5, 5),
+// [panels][K][6], so a k step broadcasts a panel's values from one cache line. The micro-kernel keeps
+// 6 x 16 float32 sums in 12 registers (the BLIS / ggml AVX2 shape) and reads each weight once per
+// panel, converting bfloat16 to float32 in registers. With one panel (decoding, verifying at one or
+// two streams) each block streams once from end to end, prefetched ahead. With more, k runs in chunks
+// of KC so a panel and a block stay in L1, and the panels of one chunk prefetch the next chunk into L2
+// between them: memory streams while they compute, where it used to idle during the later panels and
+// the first panel waited on it (a batch of 8-20 rows of the 1.5 B target: each step in 0.78-0.88x).
 //
 // Every output is one float32 sum over k = 0..K-1 in order, whatever M is and whichever tile
 // computes it: a row's result does not depend on the rows it is batched with (scoring k + 1 tokens
@@ -34,6 +36,33 @@ namespace {
 constexpr int64_t NB = 16;   // output columns per weight block
 constexpr int64_t MT = 6;    // rows per x panel (and per micro-tile)
 constexpr int64_t KC = 256;  // k steps per cache chunk
+
+// How M rows split into panels of at most MT: as evenly as the count allows (16 rows: 6, 5, 5), so no
+// panel is left with a row or two, too few independent sums to keep the multipliers busy.
+struct Panels {
+  int64_t count, base, extra;  // panel t holds base + 1 rows for t < extra, base after
+  explicit Panels(int64_t M) : count((M + MT - 1) / MT), base(M / count), extra(M % count) {}
+  int64_t rows(int64_t t) const { return base + (t < extra); }
+  int64_t slot(int64_t m) const {  // row m's place in the panels: panel * MT + its row there
+    const int64_t tall = extra * (base + 1);
+    return m < tall ? m / (base + 1) * MT + m % (base + 1) : (extra + (m - tall) / base) * MT + (m - tall) % base;
+  }
+};
+
+// Lines a tile prefetches into L2 as it runs, spread evenly over its k steps: with several panels, the
+// next chunk's weights, so memory streams while the later panels compute from L1 (see matmul).
+struct Ahead {
+  const char* base = nullptr;
+  int64_t lines = 0;
+  // at each of kn steps: the next line, once per kn / lines steps
+  inline void step(int64_t kn, int64_t& credit, int64_t& line) const {
+    credit += lines;
+    if (credit >= kn) {
+      credit -= kn;
+      _mm_prefetch(base + 64 * line++, _MM_HINT_T1);
+    }
+  }
+};
 
 // float32 -> bfloat16, round to nearest even (as torch converts; inputs here are finite)
 inline void store_bf16x8(uint16_t* dst, __m256 v) {
@@ -109,8 +138,8 @@ inline void run_tile(int64_t rows, const float* panel, const typename W::T* w, i
 
 // Rows of y for the 16 columns of block nb from their float32 sums (acc: [panels][2][MT][NB]), times
 // each column's scale (int8) plus bias; the last block may hold fewer than 16 columns.
-inline void finish(int64_t nb, const float* acc, int64_t M, const float* scales, const float* bp, uint16_t* yp,
-                   int64_t n_out) {
+inline void finish(int64_t nb, const float* acc, int64_t M, const Panels& panels, const float* scales,
+                   const float* bp, uint16_t* yp, int64_t n_out) {
   const int64_t col = nb * NB, width = std::min<int64_t>(NB, n_out - col);
   float bias16[NB] = {0}, scale16[NB] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
   if (bp) std::memcpy(bias16, bp + col, width * sizeof(float));
@@ -118,7 +147,8 @@ inline void finish(int64_t nb, const float* acc, int64_t M, const float* scales,
   __m256 b0 = _mm256_loadu_ps(bias16), b1 = _mm256_loadu_ps(bias16 + 8);
   __m256 s0 = _mm256_loadu_ps(scale16), s1 = _mm256_loadu_ps(scale16 + 8);
   for (int64_t m = 0; m < M; ++m) {
-    const float* a = acc + (m / MT) * 2 * MT * NB + (m % MT) * NB;
+    const int64_t slot = panels.slot(m);
+    const float* a = acc + (slot / MT) * 2 * MT * NB + (slot % MT) * NB;
     uint16_t out[NB];
     store_bf16x8(out, _mm256_fmadd_ps(_mm256_loadu_ps(a), s0, b0));
     store_bf16x8(out + 8, _mm256_fmadd_ps(_mm256_loadu_ps(a + 8), s1, b1));
@@ -135,7 +165,9 @@ struct Avx2Tiles {  // [N / 16][K][16]: the unit's two blocks one after the othe
   using T = typename W::T;
   static constexpr int64_t STEP = NB, CHUNK = KC;
   static int64_t unit(int64_t steps) { return 2 * steps * NB; }
-  static void run(int64_t rows, bool both, const X* panel, const T* w, int64_t steps, int64_t kn, float* acc) {
+  static Ahead ahead(const T*, int64_t, int64_t) { return {}; }
+  static void run(int64_t rows, bool both, const X* panel, const T* w, int64_t steps, int64_t kn, float* acc,
+                  const Ahead&) {  // its chunk is two runs, one per block: left to the hardware
     if (both) run_tile<W, 2>(rows, panel, w, steps * NB, kn, acc);
     else run_tile<W, 1>(rows, panel, w, steps * NB, kn, acc);
   }
@@ -146,7 +178,8 @@ struct Avx2Tiles {  // [N / 16][K][16]: the unit's two blocks one after the othe
 template <class Tiles>
 void matmul(const typename Tiles::X* xp, int64_t M, int64_t steps, const typename Tiles::T* wp, int64_t blocks,
             const float* scales, const float* bp, uint16_t* yp, int64_t n_out) {
-  const int64_t panels = (M + MT - 1) / MT;
+  const Panels split(M);
+  const int64_t panels = split.count;
   // Work unit: a pair of adjacent blocks (32 columns) over all rows.
   const int64_t pairs = (blocks + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
@@ -159,14 +192,19 @@ void matmul(const typename Tiles::X* xp, int64_t M, int64_t steps, const typenam
       const int64_t chunk = panels == 1 ? steps : Tiles::CHUNK;  // chunking never changes a sum's order
       for (int64_t k0 = 0; k0 < steps; k0 += chunk) {
         const int64_t kn = std::min(chunk, steps - k0);
+        // the next chunk (this unit's, or the next unit's first), its lines shared among the panels
+        const Ahead next = panels == 1 ? Ahead{}
+                           : k0 + kn < steps ? Tiles::ahead(w, steps, k0 + kn)
+                           : p + 1 < end ? Tiles::ahead(w + Tiles::unit(steps), steps, 0) : Ahead{};
         for (int64_t t = 0; t < panels; ++t) {
-          const int64_t rows = std::min(MT, M - t * MT);
+          const int64_t rows = split.rows(t);
+          const int64_t first = next.lines * t / panels, last = next.lines * (t + 1) / panels;
           Tiles::run(rows, both, xp + (t * steps + k0) * MT, w + k0 * Tiles::STEP, steps, kn,
-                     acc.data() + t * 2 * MT * NB);
+                     acc.data() + t * 2 * MT * NB, Ahead{next.base + 64 * first, last - first});
         }
       }
-      finish(nb, acc.data(), M, scales, bp, yp, n_out);
-      if (both) finish(nb + 1, acc.data() + MT * NB, M, scales, bp, yp, n_out);
+      finish(nb, acc.data(), M, split, scales, bp, yp, n_out);
+      if (both) finish(nb + 1, acc.data() + MT * NB, M, split, scales, bp, yp, n_out);
     }
   });
 }
@@ -176,12 +214,14 @@ void matmul(const typename Tiles::X* xp, int64_t M, int64_t steps, const typenam
 // The AVX-512 BF16 path: x panels of bfloat16 pairs [K / 2][MT] (x[2p] low, x[2p + 1] high), weights
 // [K / 2][2][16][2] a unit. acc[R][B] += pairs over kn pair steps, for the unit's first B blocks.
 template <int R, int B>
-void pair_tile(const uint32_t* panel, const uint16_t* w, int64_t kn, float* acc_buf) {
+void pair_tile(const uint32_t* panel, const uint16_t* w, int64_t kn, float* acc_buf, const Ahead& next) {
   constexpr int64_t ahead = 4096 / (4 * NB * sizeof(uint16_t));  // 4 KB ahead, two lines a step
   __m512 acc[R][B];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_loadu_ps(acc_buf + b * MT * NB + r * NB);
+  int64_t credit = 0, line = 0;
   for (int64_t k = 0; k < kn; ++k) {
+    if (next.lines) next.step(kn, credit, line);
     const uint16_t* p = w + k * 4 * NB;
     _mm_prefetch(reinterpret_cast<const char*>(p + ahead * 4 * NB), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(p + ahead * 4 * NB + 2 * NB), _MM_HINT_T0);
@@ -197,14 +237,14 @@ void pair_tile(const uint32_t* panel, const uint16_t* w, int64_t kn, float* acc_
 }
 
 template <int B>
-void run_pair_tile(int64_t rows, const uint32_t* panel, const uint16_t* w, int64_t kn, float* acc) {
+void run_pair_tile(int64_t rows, const uint32_t* panel, const uint16_t* w, int64_t kn, float* acc, const Ahead& next) {
   switch (rows) {  // 6 x 2 sums fill 12 of the 32 registers
-    case 1: pair_tile<1, B>(panel, w, kn, acc); return;
-    case 2: pair_tile<2, B>(panel, w, kn, acc); return;
-    case 3: pair_tile<3, B>(panel, w, kn, acc); return;
-    case 4: pair_tile<4, B>(panel, w, kn, acc); return;
-    case 5: pair_tile<5, B>(panel, w, kn, acc); return;
-    default: pair_tile<6, B>(panel, w, kn, acc); return;
+    case 1: pair_tile<1, B>(panel, w, kn, acc, next); return;
+    case 2: pair_tile<2, B>(panel, w, kn, acc, next); return;
+    case 3: pair_tile<3, B>(panel, w, kn, acc, next); return;
+    case 4: pair_tile<4, B>(panel, w, kn, acc, next); return;
+    case 5: pair_tile<5, B>(panel, w, kn, acc, next); return;
+    default: pair_tile<6, B>(panel, w, kn, acc, next); return;
   }
 }
 
@@ -213,9 +253,15 @@ struct PairTiles {  // [N / 32][K / 2][2][16][2]: the unit's two blocks side by 
   using T = uint16_t;
   static constexpr int64_t STEP = 4 * NB, CHUNK = KC / 2;
   static int64_t unit(int64_t steps) { return steps * 4 * NB; }
-  static void run(int64_t rows, bool both, const X* panel, const T* w, int64_t, int64_t kn, float* acc) {
-    if (both) run_pair_tile<2>(rows, panel, w, kn, acc);
-    else run_pair_tile<1>(rows, panel, w, kn, acc);
+  // the chunk from k step k0 of a unit at w: one run of bytes
+  static Ahead ahead(const T* w, int64_t steps, int64_t k0) {
+    return {reinterpret_cast<const char*>(w + k0 * STEP),
+            static_cast<int64_t>(std::min(CHUNK, steps - k0) * STEP * sizeof(T) / 64)};
+  }
+  static void run(int64_t rows, bool both, const X* panel, const T* w, int64_t, int64_t kn, float* acc,
+                  const Ahead& next) {
+    if (both) run_pair_tile<2>(rows, panel, w, kn, acc, next);
+    else run_pair_tile<1>(rows, panel, w, kn, acc, next);
   }
 };
 #pragma GCC pop_options
@@ -266,6 +312,11 @@ struct Rows {
     if (bias_opt.has_value() && bias_opt->defined()) bias = bias_opt->to(at::kFloat).contiguous();
   }
   int64_t panels() const { return (M + MT - 1) / MT; }
+  // x's row m goes to this element of panels of ``steps`` k steps ([panels][steps][MT]), its later ks MT apart
+  int64_t first(int64_t m, int64_t steps) const {
+    const int64_t slot = Panels(M).slot(m);
+    return (slot / MT) * steps * MT + slot % MT;
+  }
   const uint16_t* xs() const { return reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>()); }
   uint16_t* yp() { return reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()); }
   const float* bp() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
@@ -290,7 +341,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n_out, c10::
   // x -> float32 panels [panels][K][MT], rows past M zero
   std::vector<float> xpanel(rows.panels() * K * MT, 0.f);
   for (int64_t m = 0; m < M; ++m) {
-    float* dst = xpanel.data() + (m / MT) * K * MT + (m % MT);
+    float* dst = xpanel.data() + rows.first(m, K);
     const uint16_t* src = rows.xs() + m * K;
     for (int64_t k = 0; k < K; ++k) {
       uint32_t bits = static_cast<uint32_t>(src[k]) << 16;
@@ -322,7 +373,7 @@ torch::Tensor linear_pairs(torch::Tensor x, torch::Tensor packed, int64_t n_out,
   // x -> panels of bfloat16 pairs [panels][K2][MT], rows past M and the k past K zero
   std::vector<uint32_t> xpanel(rows.panels() * K2 * MT, 0u);
   for (int64_t m = 0; m < M; ++m) {
-    uint32_t* dst = xpanel.data() + (m / MT) * K2 * MT + (m % MT);
+    uint32_t* dst = xpanel.data() + rows.first(m, K2);
     const uint16_t* src = rows.xs() + m * K;
     for (int64_t p = 0; p < K2; ++p) {
       const uint32_t hi = 2 * p + 1 < K ? src[2 * p + 1] : 0;
