@@ -42,22 +42,27 @@ def cpu_has_avx2() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-@functools.cache
-def extension() -> ModuleType | None:
-    """The compiled kernel (built into torch's extension cache on first use, under its file lock), or
-    None where it cannot run or build."""
+def build(name: str, source: Path, fallback: str) -> ModuleType | None:
+    """A C++ kernel for an AVX2 + FMA CPU, built into torch's extension cache on first use (under its
+    file lock), or None where it cannot run or build; ``fallback`` says in the log what runs instead."""
     if not cpu_has_avx2():
         return None
     try:
         from torch.utils.cpp_extension import load
 
         # -fopenmp: at::parallel_for runs on torch's threads (without it, on one)
-        return load(name="serve_app_avx2_linear", sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], verbose=False)
-    except Exception as e:  # noqa: BLE001 - a missing compiler or ninja: keep F.linear
-        log.warning("bfloat16 AVX2 kernel not built (%s: %s); bfloat16 linears use F.linear, several times slower "
-                    "for more than one row on this CPU", type(e).__name__, e)
+        return load(name=name, sources=[str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                    verbose=False)
+    except Exception as e:  # noqa: BLE001 - a missing compiler or ninja: keep torch's kernels
+        log.warning("%s not built (%s: %s); %s", source.name, type(e).__name__, e, fallback)
         return None
+
+
+@functools.cache
+def extension() -> ModuleType | None:
+    """The compiled linear kernel, or None where it cannot run or build."""
+    return build("serve_app_avx2_linear", SOURCE,
+                 "bfloat16 linears use F.linear, several times slower for more than one row on this CPU")
 
 
 Weights = Literal["bfloat16", "int8"]
