@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from serve_app.speculation.policy import BlockSizePolicy, LinearCost, RoundCosts, Row
+from serve_app.speculation.policy import VERIFY_KNEE, BlockSizePolicy, LinearCost, RoundCosts, Row
 from serve_app.speculation.types import VerifyResult
 
 
@@ -186,5 +186,23 @@ def test_plain_rounds_teach_the_target_line_what_a_token_costs():
     assert sum(policy.choose(rows1)) > 0
     for _ in range(30):
         policy.record_costs(RoundCosts(16, verify(16), {}, None, batch=16, interval_s=verify(16) + 0.005))
-    assert policy.verify(32) == pytest.approx(verify(32), rel=0.1)
+    assert policy.verify_s(32) == pytest.approx(verify(32), rel=0.1)
     assert sum(policy.choose(rows16)) == 0
+
+
+
+def test_the_target_line_bends_where_a_forward_turns_compute_bound():
+    """A forward's time is about flat while it streams the weights (a few tokens) and grows by each token's
+    compute past that. Served (the real pair, after the kernel got faster at 8-20 rows): rounds of 1-5
+    tokens mostly, a few of up to 20, and one straight line through them priced a verified block of 80
+    tokens at about half what it took, so 16 streams drafted at 0.7x plain decoding. The line has a second
+    slope past ``VERIFY_KNEE`` tokens, learned from the rounds there."""
+    def forward(n: int) -> float:
+        return 0.100 + 0.001 * min(n, VERIFY_KNEE) + 0.009 * max(n - VERIFY_KNEE, 0)
+
+    policy, straight = BlockSizePolicy(max_k=4), LinearCost(0.015, 0.001)
+    for n in [1] * 30 + [2] * 10 + [4] * 10 + [5] * 10 + [8, 12, 16, 20] * 2:  # tokens a forward, as served
+        policy.record_costs(RoundCosts(n, forward(n), {}, None, batch=n))
+        straight.add(n, forward(n))
+    assert straight(80) < 0.75 * forward(80)
+    assert policy.verify_s(80) == pytest.approx(forward(80), rel=0.1)

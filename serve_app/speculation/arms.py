@@ -47,6 +47,10 @@ class ArmRounds:
         r of the leader's rate is retried after about ln(r²) / ln(DECAY) more rounds than one level with it)."""
         return arm >= len(self.sums["weight"]) or self.sums["weight"][arm] < STALE * share
 
+    def measured(self, arm: int) -> bool:
+        """Whether a round of the arm was ever measured here (not only played beside an admission)."""
+        return arm < len(self.sums["weight"]) and self.sums["weight"][arm] > 0
+
     def since(self, arm: int) -> int:
         """Rounds since the arm was last played (every round so far if never)."""
         return self.rounds - self.played.get(arm, 0)
@@ -70,6 +74,10 @@ class ArmRounds:
     def tokens_per_second(self, arm: int) -> float | None:
         """What the arm's rounds realized lately, or None where it is stale."""
         return None if self.stale(arm) else self.sums["gained"][arm] / self.sums["seconds"][arm]
+
+    def realized(self, arm: int) -> float:
+        """Tokens a second the arm's measured rounds realized (their decayed sums; 0 if none)."""
+        return self.sums["gained"][arm] / self.sums["seconds"][arm] if self.measured(arm) else 0.0
 
     def nearest(self, arm: int) -> int | None:
         """The measured arm nearest this one (the smaller on a tie), None before any round."""

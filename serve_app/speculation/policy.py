@@ -28,6 +28,18 @@ from typing import Protocol
 from serve_app.speculation.arms import RealizedRates
 from serve_app.speculation.types import VerifyResult
 
+# A target forward streams every weight whatever its tokens, and past a few tokens each adds its compute:
+# about flat, then linear (the 1.5 B target on 2 cores, our kernels: 98 ms for 1 token, 102 for 4, 122 for
+# 8, 139 for 12, 184 for 16, 225 for 20). The target's line has a second slope past this many tokens: fitted
+# to rounds of 1-20 tokens of that curve, it prices 80 at 0.92x what the curve's last slope gives (a single
+# slope: 0.66x, a knee at 4: 0.78x), SmolLM2-135M's at 1.07x, and a straight curve exactly.
+VERIFY_KNEE = 8
+
+
+def forward_features(tokens: float) -> tuple[float, float]:
+    """A target forward's features for its line: its tokens, and those past ``VERIFY_KNEE``."""
+    return tokens, max(tokens - VERIFY_KNEE, 0.0)
+
 
 class LinearCost:
     """t(x) = a + b·x (or a + b₁·x₁ + b₂·x₂ + ...), fitted online by exponentially weighted least squares.
@@ -230,7 +242,7 @@ class BlockSizePolicy:
         self.seq_decay = seq_decay
         self.engine_wide = Acceptance(global_decay)
         self.sequences: dict[str, Acceptance] = {}
-        self.verify = LinearCost(*verify_cost)
+        self.verify = LinearCost(*verify_cost, 0.0)  # a + b·tokens + c·(tokens past VERIFY_KNEE)
         self.draft_prior = (*draft_cost, 0.0)[:3]
         self.drafts: dict[str, LinearCost] = {}
         self.overhead = 0.0  # the engine's own seconds a round, outside the calls (EMA)
@@ -264,7 +276,7 @@ class BlockSizePolicy:
         """One real round's costs: the lines. A plain round is a target call too: its tokens and seconds
         teach the target's line what a token costs at batch sizes no round drafted at (drafting rounds
         alone, all at one stream and one k, would leave it flat)."""
-        self.verify.add(costs.tokens, costs.verify_s)
+        self.verify.add(forward_features(costs.tokens), costs.verify_s)
         if costs.catch_up is not None:
             read, took = costs.catch_up
             predicted = self.seconds(costs.batch, costs.tokens, dict.fromkeys(costs.draft_rows, costs.k),
@@ -354,17 +366,22 @@ class BlockSizePolicy:
         plain round (tokens == batch) as plain rounds took."""
         if tokens == batch:
             return self.plain(batch) if self.plain_rounds >= 8 else \
-                self.verify(batch) + (0.0 if plain_overhead_hidden else self.overhead)
+                self.verify_s(batch) + (0.0 if plain_overhead_hidden else self.overhead)
         rows = rows or {}
-        return self.overhead + self.verify(tokens) + sum(
+        return self.overhead + self.verify_s(tokens) + sum(
             self._draft_cost(m)(n, n * (max(rows.get(m, 1), 1) - 1)) for m, n in steps.items() if n)
+
+    def verify_s(self, tokens: float) -> float:
+        """The target's predicted seconds for a forward of ``tokens`` tokens."""
+        return self.verify(*forward_features(tokens))
 
     def snapshot(self) -> dict:
         """What the policy sees now (for metrics, logs and the planner)."""
         return {
             "acceptance_per_position": [None if (a := self.engine_wide.measured(j)) is None else round(a, 4)
                                         for j in range(len(self.engine_wide.reached))],  # None: never reached
-            "verify_s": {"fixed": round(self.verify.a, 6), "per_token": round(self.verify.b, 6)},
+            "verify_s": {"fixed": round(self.verify.a, 6), "per_token": round(self.verify.b, 6),
+                         "per_token_past_knee": round(self.verify.slopes[1], 6)},
             "draft_s": {m: {"fixed": round(c.a, 6), "per_step": round(c.b, 6), "per_row_step": round(c.slopes[1], 6)}
                         for m, c in self.drafts.items()},
             "catch_up_s": {"fixed": round(self.catch_up.a, 6), "per_token": round(self.catch_up.b, 6)},

@@ -126,14 +126,30 @@ class RealizedPolicy:
             return self.leader(rows) > 0
         return len(rows) == 1
 
+    def plain_measured(self, batch: int) -> bool:
+        """Whether a plain round was measured at this batch's bucket: the bar every arm there is judged
+        against, which until then is the model's lines extrapolated from other batch sizes."""
+        calibration = self.realized.buckets.get(bucket(batch))
+        return calibration is not None and calibration.measured(0)
+
     def hand_over_pays(self, rows: Sequence[Row], remaining: int, read: int) -> bool:
         """The leader's predicted gain over plain decoding, over ``remaining`` tokens, against the model's
-        line of what reading ``read`` tokens costs the draft."""
+        line of what reading ``read`` tokens costs the draft; and only where rounds that drafted at this
+        batch size realized more tokens a second than plain ones. A hand-over costs seconds of catch-up
+        for a prediction extrapolated from the few rows the draft held (served, the real pair at 16 streams:
+        one row's probe, then 15 sequences handed over, 5.6 s, for drafting rounds at 0.6x plain decoding)."""
+        calibration = self.realized.buckets.get(bucket(len(rows)))
+        if calibration is None or not calibration.measured(0) or \
+                max(map(calibration.realized, range(1, len(calibration.sums["weight"]))), default=0.0) \
+                <= calibration.realized(0):
+            return False
         rates = self.rates(rows)
         leader = best(rates)
         return leader > 0 and remaining * (1 / rates[0] - 1 / rates[leader]) > self.model.catch_up(read)
 
     def arm(self, rows: Sequence[Row]) -> int:
+        if not self.plain_measured(len(rows)):
+            return 0  # plain decoding first: a round of it costs nothing against the bar it sets
         predicted = self.predict(rows)
         rates = [gained / seconds for gained, seconds in predicted]
         leader = best(rates)
