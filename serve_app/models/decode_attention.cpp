@@ -3,7 +3,7 @@
 //
 // One work item is one sequence's kv head: its keys and values are converted to float32 once, into a
 // buffer of this thread's, and every query row of the heads that share them (groups x T rows) reads
-// them from there. A row's scores are dot products in a fixed order (two 8-lane sums over the head
+// them from there. A row's scores are dot products in a fixed order (an 8-lane sum over the head
 // dimension, then across lanes), its softmax weights exp(s - max) divided by their sum at the end, and
 // its output the weighted sum of the values in key order: each row is computed alone, in the same
 // order whatever rows, keys past its own or sequences it is batched with, so a block of k + 1 tokens
