@@ -73,11 +73,16 @@ class ArmRounds:
 
     def tokens_per_second(self, arm: int) -> float | None:
         """What the arm's rounds realized lately, or None where it is stale."""
-        return None if self.stale(arm) else self.sums["gained"][arm] / self.sums["seconds"][arm]
+        return None if self.stale(arm) else self.realized(arm)
 
     def realized(self, arm: int) -> float:
         """Tokens a second the arm's measured rounds realized (their decayed sums; 0 if none)."""
         return self.sums["gained"][arm] / self.sums["seconds"][arm] if self.measured(arm) else 0.0
+
+    def drafting_beat_plain(self) -> bool:
+        """Whether, plain rounds measured here, some drafting arm's rounds realized more tokens a second."""
+        return self.measured(0) and \
+            max(map(self.realized, range(1, len(self.sums["weight"]))), default=0.0) > self.realized(0)
 
     def nearest(self, arm: int) -> int | None:
         """The measured arm nearest this one (the smaller on a tie), None before any round."""

@@ -139,9 +139,7 @@ class RealizedPolicy:
         for a prediction extrapolated from the few rows the draft held (served, the real pair at 16 streams:
         one row's probe, then 15 sequences handed over, 5.6 s, for drafting rounds at 0.6x plain decoding)."""
         calibration = self.realized.buckets.get(bucket(len(rows)))
-        if calibration is None or not calibration.measured(0) or \
-                max(map(calibration.realized, range(1, len(calibration.sums["weight"]))), default=0.0) \
-                <= calibration.realized(0):
+        if calibration is None or not calibration.drafting_beat_plain():
             return False
         rates = self.rates(rows)
         leader = best(rates)
