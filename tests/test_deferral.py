@@ -13,7 +13,12 @@ import ray
 
 from serve_app.engine.deferral import Deferral
 from serve_app.engine.request import GenerationParams
+from serve_app.models.base import RunnerConfig
+from serve_app.models.eagle import folder_fuse_layers
+from serve_app.models.runner import ModelRunner
+from serve_app.speculation.compatibility import load_vocab
 from serve_app.speculation.policy import FixedPolicy, RoundCosts, Row
+from serve_app.speculation.proposers.eagle import EagleProposer
 from serve_app.speculation.types import SamplingParams
 from tests.helpers import engine_for
 from tests.test_remote_draft import PROMPT, SLOW_ADD_S, SlowAddDraft, remote_draft
@@ -28,10 +33,23 @@ class DraftsAlone(FixedPolicy):
         return [r.cap if len(rows) == 1 else 0 for r in rows]
 
 
-def test_sequences_admitted_while_plain_pays_cost_the_draft_nothing_until_it_drafts_again(tiny_models):
-    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=2)
+def held_engine(tiny_models, request, draft: str, **speculation):
+    if draft == "eagle":
+        return engine_for(tiny_models["llama"], draft=request.getfixturevalue("tiny_eagle") / "draft", k=3, batch=2,
+                          **speculation)
+    return engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=2, **speculation)
+
+
+@pytest.mark.parametrize("draft", ["decoder", "eagle", "eagle+ngram"])
+def test_sequences_admitted_while_plain_pays_cost_the_draft_nothing_until_it_drafts_again(tiny_models, request,
+                                                                                         draft):
+    """An EAGLE head too (served, the embedded model's head at 16 streams held every sequence from admission:
+    each prompt's features and head prefill, and every plain round's features, for rounds that never drafted):
+    the engine keeps a held sequence's features (the prompt's, then each round's) and hands them over with it."""
+    engine = held_engine(tiny_models, request, draft.split("+")[0], ngram_first="ngram" in draft)
     engine.policy = DraftsAlone()
-    draft = engine.proposers["draft"]
+    proposer = engine.proposers["draft"]
+    draft_side = getattr(proposer, "draft", proposer)  # the head behind n-gram lookup
     assert isinstance(engine.deferral, Deferral)
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     plain = engine.generate(prompts, GenerationParams(max_tokens=24, method="none", ignore_eos=True))
@@ -44,11 +62,53 @@ def test_sequences_admitted_while_plain_pays_cost_the_draft_nothing_until_it_dra
         for out in engine.step():
             outputs[out.request_id] = out.token_ids
         if len(engine.running) == 2:
-            held_while_two.append(set(draft.history.tokens))
+            held_while_two.append(set(draft_side.history.tokens))
         drafted_alone += int(engine.last_costs.k > 0)
     assert held_while_two and all(not held for held in held_while_two)  # two running: the draft held neither
     assert drafted_alone > 0 and long not in engine.deferral.held
     assert [outputs[short], outputs[long]] == [plain[0].token_ids[:4], plain[1].token_ids]
+
+
+def test_a_held_sequence_reaches_an_eagle_head_with_the_targets_features_of_its_whole_context(tiny_models,
+                                                                                               tiny_eagle):
+    """Handed over after a plain stretch, the head drafts exactly what a head given the sequence's whole
+    context and the target's features of it, from scratch, drafts (the features kept while it was held
+    are the right ones, in order)."""
+    engine = engine_for(tiny_models["llama"], draft=tiny_eagle / "draft", k=3, batch=2)
+    engine.policy = DraftsAlone()
+    head = engine.proposers["draft"]
+    assert isinstance(head, EagleProposer)
+    proposed: list[tuple[list[int], list[int]]] = []
+    propose = head.propose
+
+    def recording(seq_ids, num_tokens):
+        contexts = {s: list(head.history.tokens[s]) for s, k in zip(seq_ids, num_tokens, strict=True) if k}
+        block = propose(seq_ids, num_tokens)
+        for i, s in enumerate(block.seq_ids):
+            if s in contexts:
+                proposed.append((contexts[s], block.draft_tokens[i, : int(block.num_draft_tokens[i])].tolist()))
+        return block
+
+    head.propose = recording
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    engine.add_request(prompts[0], GenerationParams(max_tokens=6, ignore_eos=True))
+    engine.add_request(prompts[1], GenerationParams(max_tokens=24, ignore_eos=True))
+    while engine.has_work:
+        engine.step()
+    handed_over = [(c, d) for c, d in proposed if c[:len(prompts[1])] == prompts[1] and len(c) > len(prompts[1]) + 4]
+    assert handed_over  # drafted for after a plain stretch of more than four tokens
+
+    cfg = RunnerConfig(max_batch_size=1, max_seq_len=256)
+    oracle = ModelRunner(tiny_models["llama"], cfg)
+    scratch = EagleProposer(ModelRunner(tiny_eagle / "draft", cfg), target_vocab=oracle.vocab_size,
+                            vocab_map=load_vocab(tiny_eagle / "draft"))
+    for context, drafts in handed_over[:3]:
+        oracle.add("x")
+        features = oracle.prefill("x", context[:-1], taps=folder_fuse_layers(tiny_eagle / "draft"))
+        oracle.release("x")
+        scratch.add_sequence("x", context, SamplingParams(), features)
+        assert scratch.propose(["x"], [len(drafts)]).draft_tokens[0].tolist() == drafts
+        scratch.remove_sequence("x")
 
 
 class AsksAndDrafts(FixedPolicy):
@@ -63,7 +123,7 @@ class AsksAndDrafts(FixedPolicy):
         self.asked.append(list(rows))
         return [r.cap for r in rows]
 
-    def would_draft(self, rows: Sequence[Row]) -> bool:
+    def would_draft(self, rows: Sequence[Row], takes_cheaply: bool = False) -> bool:
         return len(rows) == 1
 
 
@@ -173,7 +233,7 @@ class PlainWithProbes(FixedPolicy):
         probe = self.calls % self.every == 0
         return [r.cap if not self.plain or probe else 0 for r in rows]
 
-    def would_draft(self, rows: Sequence[Row]) -> bool:
+    def would_draft(self, rows: Sequence[Row], takes_cheaply: bool = False) -> bool:
         return not self.plain
 
 

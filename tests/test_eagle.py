@@ -168,16 +168,35 @@ def test_incremental_proposals_equal_a_recomputation_from_scratch(tiny_models, t
         incremental.observe(VerifyResult(tuple(ids), block.num_draft_tokens, accepted, output, feats))
 
 
-def test_features_travel_in_verify_results(tiny_models):
-    verifier = TargetVerifier(ModelRunner(tiny_models["llama"], RunnerConfig()), features=True)
-    feats = verifier.add_sequence("s", [5, 6, 7, 8], SamplingParams())
-    assert feats is not None and feats.shape == (3, 64) and feats.dtype == torch.float16
+def test_features_stay_on_the_target_until_a_head_takes_the_sequence_then_travel_in_verify_results(tiny_models):
+    """Kept while no head holds the sequence (a plain stretch ships none), handed over whole and in order
+    (the prompt's, then each round's kept positions: what a prefill of the context gives), then each round's."""
+    runner = ModelRunner(tiny_models["llama"], RunnerConfig())
+    verifier = TargetVerifier(runner, features=True)
+    verifier.add_sequence("s", [5, 6, 7, 8], SamplingParams(), prefill=2)
+    verifier.continue_prefill("s")
+    kept = verifier.verify(ProposalBlock.make_dummy(["s"], [[9, 10]]))
+    assert kept.features is None  # no head holds it yet
+    taken = verifier.take_features(["s"])[0]
+    context = [5, 6, 7, 8, *kept.new_tokens(0)]
+    assert taken.shape == (len(context) - 1, 64) and taken.dtype == torch.float16
+    oracle = ModelRunner(tiny_models["llama"], RunnerConfig())
+    oracle.add("x")
+    assert torch.allclose(taken.float(), oracle.prefill("x", context[:-1]).float(), atol=2e-3)
     result = verifier.verify(ProposalBlock.make_dummy(["s"], [[9, 10]]))
     wire = pickle.loads(pickle.dumps(result))
     assert wire.features is not None and torch.equal(wire.features, result.features)
     assert wire.new_features(0).shape == (int(result.num_accepted[0]) + 1, 64)
+    verifier.add_sequence("t", [5, 6, 7], SamplingParams())  # kept: a round ships the taken row's alone
+    both = verifier.verify(ProposalBlock.make_dummy(["t", "s"], [[], [9]]))
+    assert both.features is not None and both.features.shape[0] == 1 and both.feature_rows == (1,)
+    assert torch.equal(both.new_features(1), both.features[0, : int(both.num_accepted[1]) + 1])
+    with pytest.raises(ValueError, match="no EAGLE head holds"):
+        both.new_features(0)
     plain = TargetVerifier(ModelRunner(tiny_models["llama"], RunnerConfig()))
-    assert plain.add_sequence("s", [5, 6], SamplingParams()) is None
+    plain.add_sequence("s", [5, 6], SamplingParams())
+    with pytest.raises(ValueError, match="not started for an EAGLE draft"):
+        plain.take_features(["s"])
 
 
 def test_a_head_for_another_target_or_backend_is_refused(tmp_path, tiny_models, tiny_eagle):

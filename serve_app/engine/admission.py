@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-import torch
-
 from serve_app.engine.request import Request
 from serve_app.speculation.verifier import Verifier
 
@@ -23,32 +21,30 @@ class Admission:
     def __init__(self, prefill_chunk: int | None = None):
         self.prefill_chunk = prefill_chunk  # most prompt tokens cached per step; None: whole prompts
         self.waiting: deque[Request] = deque()
-        # admitted, prompt partly cached on the target (oldest first), with the features returned so far
-        self.prefilling: deque[tuple[Request, list[torch.Tensor | None]]] = deque()
+        self.prefilling: deque[Request] = deque()  # admitted, prompt partly cached on the target (oldest first)
 
     def step(self, verifier: Verifier, starting: Callable[[Request], Callable[[], None]] = lambda req: lambda: None
-             ) -> tuple[bool, list[tuple[Request, torch.Tensor | None]]]:
+             ) -> tuple[bool, list[Request]]:
         """Cache what this step's budget allows (the prompt started earlier first). Returns whether it
-        did anything, and the requests whose prompt is now all cached, with the target's features of
-        it (an EAGLE head reads them; None otherwise). ``starting(req)`` runs before the target takes a
-        new request, and returns what undoes it should the target's call fail."""
+        did anything, and the requests whose prompt is now all cached. ``starting(req)`` runs before the
+        target takes a new request, and returns what undoes it should the target's call fail."""
         budget, admitted, ready = self.prefill_chunk, False, []
         while budget is None or budget > 0:
             if self.prefilling:
-                req, parts = self.prefilling[0]
+                req = self.prefilling[0]
                 n = self._count(req, budget)
-                parts.append(verifier.continue_prefill(req.request_id, n))
+                verifier.continue_prefill(req.request_id, n)
             elif self.waiting and verifier.free_slots > 0:
                 req = self.waiting[0]
                 n = self._count(req, budget)
                 undo = starting(req)
                 try:
-                    parts = [verifier.add_sequence(req.request_id, req.context_ids, req.params.sampling, n)]
+                    verifier.add_sequence(req.request_id, req.context_ids, req.params.sampling, n)
                 except BaseException:
                     undo()
                     raise
                 self.waiting.popleft()  # only once the target holds it: a failed call leaves it queued
-                self.prefilling.append((req, parts))
+                self.prefilling.append(req)
             else:
                 break
             admitted = True
@@ -57,9 +53,7 @@ class Admission:
             if budget is not None:
                 budget -= max(n, 1)  # a one-token prompt caches nothing, but admitting it is a call
             if req.prefilled == len(req.context_ids) - 1:
-                self.prefilling.popleft()
-                cached = [t for t in parts if t is not None]
-                ready.append((req, torch.cat(cached) if cached else None))
+                ready.append(self.prefilling.popleft())
         return admitted, ready
 
     @staticmethod

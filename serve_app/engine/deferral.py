@@ -9,7 +9,11 @@ once-in-a-while probes) and drafting is predicted to gain more over the tokens t
 generate than the draft's reading of the held sequences' contexts costs (``KPolicy.hand_over_pays``: on
 the real pair at 4 streams a hand-over took 1.9 s where a round drafting takes 0.8, for one such round),
 every such sequence is handed over with its whole context so far, and drafts from the rounds after its
-prefill.
+prefill. An EAGLE head (``Proposer.reads_features``) takes a sequence at admission or later the same
+way, with the target's features of the context, which the target keeps until then (``Verifier.take_features``):
+served on the embedded model at 16 streams, where the policy plays plain, the head had taken every
+sequence at admission, so every prompt's and every plain round's features went to the replica and on to
+the head, and the head prefilled every prompt, for rounds that never drafted.
 
 A decoder draft, and an EAGLE head (``Proposer.reads_late``), reads the tokens of a sequence it holds
 only when it next drafts for it: after a stretch of plain rounds, every token of the stretch at once (a
@@ -36,11 +40,15 @@ from serve_app.speculation.types import ProposalBlock
 
 class Deferral:
     def __init__(self, proposers: Mapping[SpeculationMethod, Proposer],
-                 would_draft: Callable[[Sequence[Request]], bool],
-                 pays: Callable[[Sequence[Request], int], bool] = lambda requests, read: True):
-        """``would_draft(requests)``: whether the k policy's own choice drafts for that batch; ``pays(requests,
-        read)``: whether drafting for them gains more than a draft reading ``read`` tokens first costs."""
+                 would_draft: Callable[[Sequence[Request], bool], bool],
+                 pays: Callable[[Sequence[Request], int], bool] = lambda requests, read: True,
+                 take_features: Callable[[Sequence[str]], list[torch.Tensor]] | None = None):
+        """``would_draft(requests, takes_cheaply)``: whether the k policy's own choice drafts for that batch
+        (``KPolicy.would_draft``); ``pays(requests,
+        read)``: whether drafting for them gains more than a draft reading ``read`` tokens first costs;
+        ``take_features(seq_ids)``: the target's features of their contexts (``Verifier.take_features``)."""
         self.proposers, self.would_draft, self.pays = proposers, would_draft, pays
+        self.take_features = take_features
         self.held: set[str] = set()  # running requests their proposer does not hold yet
         self.early: set[str] = set()  # handed over before the target's prefill (``start``), not running yet
         self.read: dict[str, int] = {}  # tokens of a sequence its draft has read (``reads_late``: at its last draft)
@@ -55,7 +63,8 @@ class Deferral:
         prefill would share the target's cores takes it after (``admit``): side by side, both would stall.
         Returns what undoes an early start if the target's call fails."""
         proposer = self.proposers[req.method]
-        if not (proposer.can_add_later and proposer.prefills_aside) or not self.would_draft(batch):
+        if not (proposer.can_add_later and proposer.prefills_aside) or proposer.reads_features \
+                or not self.would_draft(batch, False):
             return lambda: None
         proposer.add_sequence(req.request_id, req.context_ids, req.params.sampling)
         self.early.add(req.request_id)
@@ -68,23 +77,43 @@ class Deferral:
 
         return undo
 
-    def admit(self, ready: Iterable[tuple[Request, torch.Tensor | None]], running: Mapping[str, Request]) -> None:
+    def admit(self, ready: Iterable[Request], running: Mapping[str, Request]) -> None:
         """Requests whose prompt the target now holds (and now in ``running``): to their proposer, unless
         it took them at ``start`` or can take them later and the policy would not draft for ``running``."""
-        drafting: bool | None = None
-        for req, features in ready:
+        drafting: dict[bool, bool] = {}
+        taken = []
+        for req in ready:
             if req.request_id in self.early:
                 self.early.discard(req.request_id)
                 continue
             proposer = self.proposers[req.method]
             if proposer.can_add_later:
-                drafting = self.would_draft(list(running.values())) if drafting is None else drafting
-                if not drafting:
+                cheap = proposer.reads_features  # an EAGLE head: a one-layer prefill over features the target kept
+                if cheap not in drafting:
+                    drafting[cheap] = self.would_draft(list(running.values()), cheap)
+                if not drafting[cheap]:
                     self.held.add(req.request_id)
                     continue
+            taken.append(req)
+        self._hand(taken)
+
+    def _hand(self, requests: Sequence[Request]) -> None:
+        """Each request to its proposer, with its whole context so far (and the target's features of it,
+        for a proposer that reads them: one call to the target for all of them)."""
+        feature_ids = [r.request_id for r in requests if self.proposers[r.method].reads_features]
+        features = dict(zip(feature_ids, self._features(feature_ids), strict=True))
+        for req in requests:
+            proposer = self.proposers[req.method]
             if proposer.reads_late:
                 self.read[req.request_id] = req.num_tokens
-            proposer.add_sequence(req.request_id, req.context_ids, req.params.sampling, features)
+            proposer.add_sequence(req.request_id, req.context_ids, req.params.sampling, features.get(req.request_id))
+
+    def _features(self, seq_ids: Sequence[str]) -> list[torch.Tensor]:
+        if not seq_ids:
+            return []
+        if self.take_features is None:
+            raise ValueError("a proposer that reads the target's features needs Deferral(take_features=...)")
+        return self.take_features(seq_ids)
 
     def split(self, requests: Sequence[Request], running: Mapping[str, Request]
               ) -> tuple[list[ProposalBlock], list[Request]]:
@@ -93,11 +122,9 @@ class Deferral:
         requests that propose as usual."""
         self.handed_over = self.releasing(running)
         if self.handed_over:
-            for seq_id in self.held:
-                req = running[seq_id]
-                self.proposers[req.method].add_sequence(seq_id, req.context_ids, req.params.sampling)
-                self.read[seq_id] = req.num_tokens
-                self.read_first += req.num_tokens
+            handed = [running[seq_id] for seq_id in sorted(self.held)]
+            self._hand(handed)
+            self.read_first += sum(r.num_tokens for r in handed)
             self.held.clear()
         if not self.held:
             return [], list(requests)
@@ -124,7 +151,7 @@ class Deferral:
         drafts then will have read every token of the sequences they draft for, and of those drafted
         ahead (``ahead``)."""
         lag = {r.request_id: n for r in requests if sizes[r.request_id] and (n := self.behind(r)) is not None}
-        if len(lag) > 1 and not self.would_draft(list(running.values())):
+        if len(lag) > 1 and not self.would_draft(list(running.values()), False):
             keep = min(lag, key=lambda s: (lag[s], s))
             for seq_id in lag.keys() - {keep}:
                 sizes[seq_id] = 0
@@ -142,7 +169,7 @@ class Deferral:
         if not self.held:
             return False
         batch = list(running.values())
-        return self.would_draft(batch) and self.pays(batch, sum(running[s].num_tokens for s in self.held))
+        return self.would_draft(batch, False) and self.pays(batch, sum(running[s].num_tokens for s in self.held))
 
     def discard(self, seq_id: str) -> None:
         self.held.discard(seq_id)

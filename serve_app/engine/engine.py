@@ -75,8 +75,9 @@ class Engine:
         self.waiting, self.prefilling = self.admission.waiting, self.admission.prefilling  # the same queues
         self.running: dict[str, Request] = {}
         self.deferral = Deferral(  # who the draft takes, and when
-            self.proposers, lambda reqs: self.sizer.would_draft(reqs, [self._bound(r) for r in reqs]),
-            lambda reqs, read: self.sizer.hand_over_pays(reqs, [self._bound(r) for r in reqs], read))
+            self.proposers, lambda reqs, cheap: self.sizer.would_draft(reqs, [self._bound(r) for r in reqs], cheap),
+            lambda reqs, read: self.sizer.hand_over_pays(reqs, [self._bound(r) for r in reqs], read),
+            lambda seq_ids: self.verifier.take_features(seq_ids))
         self.stats = SpecStats()
         self._ids = itertools.count()
         self.pipeline = PlainPipeline()  # plain rounds sent ahead (only where the verifier can_send_ahead)
@@ -123,16 +124,16 @@ class Engine:
         for req in list(self.waiting):
             if req.request_id == request_id:
                 self.waiting.remove(req)
-        for entry in list(self.prefilling):
-            if entry[0].request_id == request_id:
-                self.prefilling.remove(entry)
-                self._release(entry[0])
+        for req in list(self.prefilling):
+            if req.request_id == request_id:
+                self.prefilling.remove(req)
+                self._release(req)
         if request_id in self.running:
             self._release(self.running.pop(request_id))
 
     def abort_all(self) -> list[Request]:
         """Drop every request (after a worker failure); returns them so callers can be told."""
-        dropped = list(self.waiting) + [r for r, _ in self.prefilling] + list(self.running.values())
+        dropped = list(self.waiting) + list(self.prefilling) + list(self.running.values())
         self.pipeline.clear()
         self.ahead.ready.clear()
         self.waiting.clear()
@@ -153,7 +154,7 @@ class Engine:
         forget the sequences too and take them again at re-admission. Returns how many requeued."""
         self.pipeline.clear()
         self.timer.reset()
-        admitted = sorted([r for r, _ in self.prefilling] + list(self.running.values()), key=lambda r: r.arrival)
+        admitted = sorted([*self.prefilling, *self.running.values()], key=lambda r: r.arrival)
         self.prefilling.clear()
         self.running.clear()
         self.deferral.clear()
@@ -231,9 +232,9 @@ class Engine:
         """Admission's step (``engine.admission``); a request whose prompt is cached enters the round, and
         its proposer as ``engine.deferral`` decides. Returns whether anything was admitted or cached."""
         joining = list(self.waiting)[:self.verifier.free_slots]  # what this step admits, at most
-        batch = [*self.running.values(), *(r for r, _ in self.prefilling), *joining]
+        batch = [*self.running.values(), *self.prefilling, *joining]
         admitted, ready = self.admission.step(self.verifier, lambda req: self.deferral.start(req, batch))
-        for req, _ in ready:
+        for req in ready:
             self.running[req.request_id] = req
         self.deferral.admit(ready, self.running)
         return admitted

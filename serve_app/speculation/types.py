@@ -13,7 +13,8 @@ is exact for whatever q the token was really drawn from, so the output stays the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -127,16 +128,22 @@ class VerifyResult:
     num_draft_tokens: torch.Tensor  # [batch] int64, as proposed
     num_accepted: torch.Tensor  # [batch] int64, n_i <= num_draft_tokens[i]
     output_tokens: torch.Tensor  # [batch, k + 1] int64: accepted drafts, then recovered/bonus; PAD after
-    # [batch, k + 1, hidden] FEATURE_DTYPE: the target's final-norm hidden state at each scored position
-    # (the sequence's previous last token, then each draft); only for an EAGLE draft, else None.
+    # [rows, k + 1, hidden] FEATURE_DTYPE: the target's final-norm hidden state at each scored position
+    # (the sequence's previous last token, then each draft) of the rows an EAGLE head holds; else None.
     features: torch.Tensor | None = None
+    feature_rows: tuple[int, ...] | None = None  # the rows ``features`` holds, in order; None: every row
 
     def __reduce__(self):
         return _rebuild, (type(self), _to_wire(self))
 
     def new_tokens(self, i: int) -> list[int]:
         """Tokens row ``i`` gained this round: its accepted drafts plus the recovered or bonus token."""
-        return self.output_tokens[i, : int(self.num_accepted[i]) + 1].tolist()
+        return list(self._new_tokens[i])
+
+    @cached_property
+    def _new_tokens(self) -> list[list[int]]:
+        # every row's, read out of the tensors once: the engine, the pipeline and each proposer ask for them
+        return [row[: n + 1] for row, n in zip(self.output_tokens.tolist(), self.num_accepted.tolist(), strict=True)]
 
     def kept_block_then(self, i: int, block_len: int, token: int) -> bool:
         """Did row ``i`` keep a whole block of ``block_len`` drafts and then emit ``token``? (A block
@@ -147,15 +154,17 @@ class VerifyResult:
     def new_features(self, i: int) -> torch.Tensor:
         """The target's features at the positions row ``i`` kept: its previous last token and the
         accepted drafts (what an EAGLE head reads with the next tokens)."""
-        if self.features is None:
-            raise ValueError("this verify result carries no features: the target was not started for an EAGLE draft")
-        return self.features[i, : int(self.num_accepted[i]) + 1]
+        if self.features is None or (self.feature_rows is not None and i not in self.feature_rows):
+            raise ValueError(f"this verify result carries no features for row {i}: no EAGLE head holds its sequence")
+        row = i if self.feature_rows is None else self.feature_rows.index(i)
+        return self.features[row, : len(self._new_tokens[i])]
 
 
 # Messages cross Ray actor boundaries thousands of times a second. Pickling a torch tensor costs
 # ~0.3 ms per block here, a numpy array ~0.02 ms: ship numpy, rebuild tensors.
 def _to_wire(message: ProposalBlock | VerifyResult) -> tuple:
-    return tuple(v.numpy() if isinstance(v, torch.Tensor) else v for v in vars(message).values())
+    values = (getattr(message, f.name) for f in fields(message))  # not what a cached_property holds
+    return tuple(v.numpy() if isinstance(v, torch.Tensor) else v for v in values)
 
 
 def _rebuild(cls: type, fields: tuple) -> ProposalBlock | VerifyResult:

@@ -7,7 +7,12 @@ only a ``VerifyResult`` does. Rejected drafts are rolled back by a length change
 
 With ``features=True`` (an EAGLE draft reads them) the target's final-norm hidden states travel
 too, preceded by the residual streams after the first t layers for each t in ``taps`` (an EAGLE-3
-head fuses them): the prompt's from ``add_sequence``, each round's in ``VerifyResult.features``.
+head fuses them). They stay here until the head takes the sequence: ``take_features`` hands over
+what was kept (the prompt's, then each round's), and from then on each round's travel in
+``VerifyResult.features`` (the rows of sequences a head holds, ``feature_rows``). A sequence no
+head takes (the policy plays plain at its batch size) costs the wire nothing: with every prompt's
+and every round's features shipped to the replica and on to the head, the embedded model's default
+decoded 16 streams at 0.83-0.92x its ``draft: none`` replica (one process driving the worker actors).
 """
 
 from __future__ import annotations
@@ -36,9 +41,13 @@ class Verifier(Protocol):
     def free_slots(self) -> int: ...
 
     def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                     prefill: int | None = None) -> torch.Tensor | None: ...
+                     prefill: int | None = None) -> None: ...
 
-    def continue_prefill(self, seq_id: str, count: int | None = None) -> torch.Tensor | None: ...
+    def continue_prefill(self, seq_id: str, count: int | None = None) -> None: ...
+
+    def take_features(self, seq_ids: Sequence[str]) -> list[torch.Tensor]:
+        """The target's features of each sequence's tokens so far (but its last), for an EAGLE head taking it."""
+        raise ValueError("this target ships no features: it was not started for an EAGLE draft")
 
     def remove_sequence(self, seq_id: str) -> None: ...
 
@@ -65,17 +74,18 @@ class TargetVerifier(Verifier):
         self.last_token: dict[str, int] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.unprefilled: dict[str, list[int]] = {}  # prompt tokens a chunked prefill has still to cache
+        self.kept: dict[str, list[torch.Tensor]] = {}  # features of sequences no head has taken yet
 
     @property
     def free_slots(self) -> int:
         return self.runner.free_slots
 
     def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                     prefill: int | None = None) -> torch.Tensor | None:
+                     prefill: int | None = None) -> None:
         """Start a sequence and cache its prompt but the last token (the first round scores that one):
         all of it, or only the first ``prefill`` tokens, the rest by ``continue_prefill`` (chunked
-        prefill). Returns the prefilled positions' features ``[n, (len(taps) + 1) * hidden]`` when
-        features are on."""
+        prefill). With features on, those of the prefilled positions (``[n, (len(taps) + 1) * hidden]``)
+        are kept for ``take_features``."""
         if not prompt_ids:
             raise ValueError("a sequence needs at least one prompt token")
         self.runner.add(seq_id)
@@ -84,27 +94,36 @@ class TargetVerifier(Verifier):
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         self.generators[seq_id] = torch.Generator().manual_seed(seed)
         self.unprefilled[seq_id] = list(prompt_ids[:-1])
-        return self.continue_prefill(seq_id, prefill)
+        if self.feature_runner is not None:
+            self.kept[seq_id] = []
+        self.continue_prefill(seq_id, prefill)
 
-    def continue_prefill(self, seq_id: str, count: int | None = None) -> torch.Tensor | None:
-        """Cache the next ``count`` prompt tokens not cached yet (None: all); their features when on."""
+    def continue_prefill(self, seq_id: str, count: int | None = None) -> None:
+        """Cache the next ``count`` prompt tokens not cached yet (None: all); their features kept when on."""
         rest = self.unprefilled[seq_id]
         count = len(rest) if count is None else count
         chunk, self.unprefilled[seq_id] = rest[:count], rest[count:]
+        if not chunk:
+            return
         runner = self.feature_runner
         if runner is None:
-            if chunk:
-                self.runner.prefill(seq_id, chunk)
-            return None
-        if not chunk:
-            return torch.zeros((0, (len(self.taps) + 1) * runner.hf_config.hidden_size), dtype=FEATURE_DTYPE)
-        return runner.prefill(seq_id, chunk, taps=self.taps).to("cpu", FEATURE_DTYPE)
+            self.runner.prefill(seq_id, chunk)
+        else:
+            self.kept[seq_id].append(runner.prefill(seq_id, chunk, taps=self.taps).to("cpu", FEATURE_DTYPE))
+
+    def take_features(self, seq_ids: Sequence[str]) -> list[torch.Tensor]:
+        runner = self.feature_runner
+        if runner is None:
+            return super().take_features(seq_ids)
+        empty = torch.zeros((0, (len(self.taps) + 1) * runner.hf_config.hidden_size), dtype=FEATURE_DTYPE)
+        return [torch.cat([empty, *self.kept.pop(s)]) for s in seq_ids]  # its rounds' travel from now on
 
     def remove_sequence(self, seq_id: str) -> None:
         if seq_id in self.params:
             self.runner.release(seq_id)
             for table in (self.params, self.last_token, self.generators, self.unprefilled):
                 del table[seq_id]
+            self.kept.pop(seq_id, None)
 
     def verify(self, block: ProposalBlock) -> VerifyResult:
         seq_ids = block.seq_ids
@@ -149,4 +168,11 @@ class TargetVerifier(Verifier):
             # Cache keeps last + n accepted drafts; the new last token is not cached yet.
             self.runner.truncate(s, start[i] + n + 1)
             self.last_token[s] = int(output[i, n])
-        return VerifyResult(seq_ids, block.num_draft_tokens.clone(), accepted, output, features)
+            if features is not None and s in self.kept:
+                self.kept[s].append(features[i, : n + 1].clone())  # not a view of the whole round's
+        shipped = None  # every row's
+        if features is not None and any(s in self.kept for s in seq_ids):
+            shipped = tuple(i for i, s in enumerate(seq_ids) if s not in self.kept)  # the rows a head holds
+            features = features[list(shipped)] if shipped else None
+        return VerifyResult(seq_ids, block.num_draft_tokens.clone(), accepted, output, features,
+                            shipped if features is not None else None)

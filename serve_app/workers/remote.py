@@ -115,14 +115,15 @@ class RemoteVerifier(Verifier):
         return self.max_batch_size - len(self.active)
 
     def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                     prefill: int | None = None) -> torch.Tensor | None:
-        features = self._call(self.actor.add_sequence.remote(seq_id, list(prompt_ids), params, prefill=prefill),
-                              ROUND_TIMEOUT_S)
+                     prefill: int | None = None) -> None:
+        self._call(self.actor.add_sequence.remote(seq_id, list(prompt_ids), params, prefill=prefill), ROUND_TIMEOUT_S)
         self.active.add(seq_id)
-        return features
 
-    def continue_prefill(self, seq_id: str, count: int | None = None) -> torch.Tensor | None:
-        return self._call(self.actor.continue_prefill.remote(seq_id, count), ROUND_TIMEOUT_S)
+    def continue_prefill(self, seq_id: str, count: int | None = None) -> None:
+        self._call(self.actor.continue_prefill.remote(seq_id, count), ROUND_TIMEOUT_S)
+
+    def take_features(self, seq_ids: Sequence[str]) -> list[torch.Tensor]:
+        return self._call(self.actor.take_features.remote(list(seq_ids)), ROUND_TIMEOUT_S)
 
     def remove_sequence(self, seq_id: str) -> None:
         if seq_id in self.active:
@@ -170,10 +171,11 @@ class RemoteDraftProposer(Proposer):
     def __init__(self, spawn: Callable[[], Any], compiled: bool,
                  on_state: Callable[[bool], None] = lambda available: None, decoder: bool = False):
         """``spawn()`` creates a new DraftWorker actor (in this replica's placement group). ``decoder``:
-        its proposer is a decoder draft model (not an EAGLE head), which drafts ahead (``engine.ahead``)
-        and takes a sequence at any point of its life (``Proposer.can_add_later``)."""
+        its proposer is a decoder draft model, which drafts ahead (``engine.ahead``), not an EAGLE head,
+        which reads the target's features (``Proposer.reads_features``)."""
         self.spawn, self.compiled, self.on_state = spawn, compiled, on_state
-        self.can_propose_ahead = self.can_add_later = decoder
+        self.can_propose_ahead, self.reads_features = decoder, not decoder
+        self.can_add_later = True  # at any point of a sequence's life (``Proposer.can_add_later``)
         self.reads_late = True  # a decoder draft or an EAGLE head
         self.on_draft: set[str] = set()  # sequences the current draft actor holds
         self.adding: dict[str, Any] = {}  # sequences sent to it, not confirmed yet: their add calls' refs

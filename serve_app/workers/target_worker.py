@@ -5,6 +5,8 @@ Its only round method is ``verify(ProposalBlock) -> VerifyResult``; p never leav
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from serve_app.models.base import RunnerConfig
@@ -30,10 +32,14 @@ class TargetWorker(WorkerBase):
     def info(self) -> WorkerInfo:
         return self._info(self.verifier.runner.vocab_size)
 
-    def continue_prefill(self, seq_id: str, count: int | None = None) -> torch.Tensor | None:
+    def continue_prefill(self, seq_id: str, count: int | None = None) -> None:
         with self.lock:
             self._threads_for(None)
-            return self.verifier.continue_prefill(seq_id, count)
+            self.verifier.continue_prefill(seq_id, count)
+
+    def take_features(self, seq_ids: Sequence[str]) -> list[torch.Tensor]:
+        with self.lock:
+            return self.verifier.take_features(seq_ids)
 
     def verify(self, block: ProposalBlock) -> VerifyResult:
         with self._round():

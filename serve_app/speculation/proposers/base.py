@@ -30,6 +30,9 @@ class Proposer(Protocol):
     # takes a sequence at any point of its life, from its whole context (a decoder draft: its prefill needs
     # nothing of the target's), so the engine may leave it out while drafting does not pay (``Engine._admit``)
     can_add_later: bool = False
+    # add_sequence needs the target's features of every context token but the last (an EAGLE head): the engine
+    # keeps those of a sequence it holds out of the proposer (``engine.deferral``) and hands them over with it
+    reads_features: bool = False
     busy: bool = False  # work of its own in flight on shared cores (a prompt's prefill): rounds now are not typical
     # add_sequence returns at once and the prefill runs on cores the target's forwards leave free (a remote draft
     # on cores of its own), so admission may hand it a prompt before the target's prefill (``engine.deferral``)

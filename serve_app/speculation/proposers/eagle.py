@@ -23,7 +23,8 @@ from serve_app.speculation.types import FEATURE_DTYPE, SamplingParams, VerifyRes
 class EagleProposer(DraftModelProposer):
     # A head continues from the target's features of the tokens it reads; an optimistic block has none.
     can_propose_ahead = False
-    can_add_later = False  # it reads the target's features of the prompt, which only admission has
+    can_add_later = True  # from the whole context and the target's features of it (the engine keeps them)
+    reads_features = True
     runner: FeatureRunner
 
     def __init__(self, runner: FeatureRunner, width: int = 32, target_vocab: int | None = None,
@@ -32,6 +33,7 @@ class EagleProposer(DraftModelProposer):
         # the target's features: its final state, after the streams of any layers the head taps (EAGLE-3)
         self.true_width: int = (len(runner.model.fuse_layers) + 1) * runner.model.feature_size  # type: ignore[attr-defined]
         self.pending: dict[str, list[torch.Tensor]] = {}  # true features not fed yet, oldest first
+        self.queued: dict[str, int] = {}  # how many: a plain stretch queues one a round, so no sum over them
 
     def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                      features: torch.Tensor | None = None) -> None:
@@ -43,10 +45,12 @@ class EagleProposer(DraftModelProposer):
         if len(prompt_ids) > 1:  # x_0..x_{P-2} with f_{-1}..f_{P-3}
             self.runner.prefill(seq_id, self._to_draft(prompt_ids[:-1]), shifted[:-1])
         self.pending[seq_id] = [shifted[-1:]]
+        self.queued[seq_id] = 1
 
     def remove_sequence(self, seq_id: str) -> None:
         super().remove_sequence(seq_id)
         self.pending.pop(seq_id, None)
+        self.queued.pop(seq_id, None)
 
     def _catch_up(self, seq_ids: Sequence[str], feed: Sequence[Sequence[int]]) -> torch.Tensor:
         out = torch.zeros((len(seq_ids), max(map(len, feed)), self.true_width), dtype=FEATURE_DTYPE)
@@ -56,6 +60,7 @@ class EagleProposer(DraftModelProposer):
                 raise RuntimeError(f"EAGLE draft out of step on {s!r}: {len(f)} features for {len(feed[r])} tokens")
             out[r, : len(f)] = f
             self.pending[s] = []
+            self.queued[s] = 0
         return out
 
     def _step(self, seq_ids: Sequence[str], feed: Sequence[Sequence[int]], carry: torch.Tensor | None
@@ -66,9 +71,11 @@ class EagleProposer(DraftModelProposer):
     def observe(self, result: VerifyResult) -> None:
         for i, s in enumerate(result.seq_ids):
             if s in self.pending:
-                self.pending[s].append(result.new_features(i))
+                features = result.new_features(i)
+                self.pending[s].append(features)
+                self.queued[s] += len(features)
         for s in self.history.extend(result):
             # c = L minus the features still queued: one per history token the cache lacks
-            true_len = len(self.history.tokens[s]) - sum(len(f) for f in self.pending[s])
+            true_len = len(self.history.tokens[s]) - self.queued[s]
             if self.runner.length(s) > true_len:
                 self.runner.truncate(s, true_len)

@@ -56,6 +56,14 @@ class HybridProposer(Proposer):
         return self.draft.can_propose_ahead
 
     @property
+    def can_add_later(self) -> bool:  # type: ignore[override]  # the draft's, read-only
+        return self.draft.can_add_later
+
+    @property
+    def reads_features(self) -> bool:  # type: ignore[override]  # the draft's, read-only
+        return self.draft.reads_features
+
+    @property
     def busy(self) -> bool:  # type: ignore[override]  # the draft's, read-only
         return self.draft.busy
 
