@@ -123,7 +123,7 @@ class AsksAndDrafts(FixedPolicy):
         self.asked.append(list(rows))
         return [r.cap for r in rows]
 
-    def would_draft(self, rows: Sequence[Row], takes_cheaply: bool = False) -> bool:
+    def would_draft(self, rows: Sequence[Row]) -> bool:
         return len(rows) == 1
 
 
@@ -233,7 +233,7 @@ class PlainWithProbes(FixedPolicy):
         probe = self.calls % self.every == 0
         return [r.cap if not self.plain or probe else 0 for r in rows]
 
-    def would_draft(self, rows: Sequence[Row], takes_cheaply: bool = False) -> bool:
+    def would_draft(self, rows: Sequence[Row]) -> bool:
         return not self.plain
 
 

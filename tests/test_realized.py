@@ -259,22 +259,6 @@ def test_it_would_draft_for_a_sequence_alone_until_measured_and_then_as_its_own_
     assert policy.would_draft(rows(4))  # drafting leads at 4 once it pays there
 
 
-def test_a_draft_that_takes_a_sequence_cheaply_is_given_a_batch_where_the_model_predicts_drafting_leads():
-    """An EAGLE head takes a sequence for a one-layer prefill over features the target kept: where no drafting
-    round was measured at a batch, the model's leader decides for it, not "a sequence alone only" (else a
-    batch admitted at once at a new batch size is never drafted for: served, the embedded head at 4 streams
-    held all four and decoded plainly, where drafting had paid 1.06x). Once measured, the leader as before."""
-    rows = lambda n: [Row(f"s{i}", MAX_K, "draft") for i in range(n)]  # noqa: E731
-    cheap = lambda batch, k: 0.050 + 0.0005 * batch * (1 + k) + (0.002 + 0.002 * k if k else 0.0)  # noqa: E731
-    policy = fresh()
-    play(policy, 300, 1, lambda t: 0.9, cheap, seen_step=0.002)  # measured alone: drafting pays
-    assert policy.leader(rows(4)) > 0
-    assert not policy.would_draft(rows(4)) and policy.would_draft(rows(4), takes_cheaply=True)
-    under_load = lambda batch, k: 0.020 + 0.004 * batch * (1 + k) + (0.010 + 0.006 * k if k else 0.0)  # noqa: E731
-    play(policy, 400, 4, lambda t: 0.6, under_load, seen_step=0.006)
-    assert not policy.would_draft(rows(4), takes_cheaply=True)  # measured at 4: plain decoding leads
-
-
 def test_a_hand_over_is_played_only_when_drafting_is_predicted_to_gain_more_than_the_catch_up_costs():
     """Handing held sequences to a draft makes it read their whole contexts first (the real pair at 4
     streams: 1.9 s for a round whose target and draft calls took 0.47 s and 0.32 s, three sequences handed

@@ -45,13 +45,13 @@ class BlockSizer:
         return [max(0, min(r.num_speculative_tokens, bound, bound if share is None else share))
                 for r, bound in zip(requests, bounds, strict=True)]
 
-    def would_draft(self, requests: Sequence[Request], bounds: Sequence[int], takes_cheaply: bool = False) -> bool:
+    def would_draft(self, requests: Sequence[Request], bounds: Sequence[int]) -> bool:
         """Whether the policy's own choice drafts for these requests (``KPolicy.would_draft``); a seeded
         request drafts its cap."""
         caps = self.caps(requests, bounds)
         seeded = any(c and r.params.sampling.seed is not None for r, c in zip(requests, caps, strict=True))
         return seeded or self.policy.would_draft(
-            [Row(r.request_id, c, r.method) for r, c in zip(requests, caps, strict=True)], takes_cheaply)
+            [Row(r.request_id, c, r.method) for r, c in zip(requests, caps, strict=True)])
 
     def hand_over_pays(self, requests: Sequence[Request], bounds: Sequence[int], read: int) -> bool:
         """``KPolicy.hand_over_pays`` for these requests, over the tokens they may still generate; a seeded

@@ -40,11 +40,10 @@ from serve_app.speculation.types import ProposalBlock
 
 class Deferral:
     def __init__(self, proposers: Mapping[SpeculationMethod, Proposer],
-                 would_draft: Callable[[Sequence[Request], bool], bool],
+                 would_draft: Callable[[Sequence[Request]], bool],
                  pays: Callable[[Sequence[Request], int], bool] = lambda requests, read: True,
                  take_features: Callable[[Sequence[str]], list[torch.Tensor]] | None = None):
-        """``would_draft(requests, takes_cheaply)``: whether the k policy's own choice drafts for that batch
-        (``KPolicy.would_draft``); ``pays(requests,
+        """``would_draft(requests)``: whether the k policy's own choice drafts for that batch; ``pays(requests,
         read)``: whether drafting for them gains more than a draft reading ``read`` tokens first costs;
         ``take_features(seq_ids)``: the target's features of their contexts (``Verifier.take_features``)."""
         self.proposers, self.would_draft, self.pays = proposers, would_draft, pays
@@ -64,7 +63,7 @@ class Deferral:
         Returns what undoes an early start if the target's call fails."""
         proposer = self.proposers[req.method]
         if not (proposer.can_add_later and proposer.prefills_aside) or proposer.reads_features \
-                or not self.would_draft(batch, False):
+                or not self.would_draft(batch):
             return lambda: None
         proposer.add_sequence(req.request_id, req.context_ids, req.params.sampling)
         self.early.add(req.request_id)
@@ -80,18 +79,15 @@ class Deferral:
     def admit(self, ready: Iterable[Request], running: Mapping[str, Request]) -> None:
         """Requests whose prompt the target now holds (and now in ``running``): to their proposer, unless
         it took them at ``start`` or can take them later and the policy would not draft for ``running``."""
-        drafting: dict[bool, bool] = {}
+        drafting: bool | None = None
         taken = []
         for req in ready:
             if req.request_id in self.early:
                 self.early.discard(req.request_id)
                 continue
-            proposer = self.proposers[req.method]
-            if proposer.can_add_later:
-                cheap = proposer.reads_features  # an EAGLE head: a one-layer prefill over features the target kept
-                if cheap not in drafting:
-                    drafting[cheap] = self.would_draft(list(running.values()), cheap)
-                if not drafting[cheap]:
+            if self.proposers[req.method].can_add_later:
+                drafting = self.would_draft(list(running.values())) if drafting is None else drafting
+                if not drafting:
                     self.held.add(req.request_id)
                     continue
             taken.append(req)
@@ -151,7 +147,7 @@ class Deferral:
         drafts then will have read every token of the sequences they draft for, and of those drafted
         ahead (``ahead``)."""
         lag = {r.request_id: n for r in requests if sizes[r.request_id] and (n := self.behind(r)) is not None}
-        if len(lag) > 1 and not self.would_draft(list(running.values()), False):
+        if len(lag) > 1 and not self.would_draft(list(running.values())):
             keep = min(lag, key=lambda s: (lag[s], s))
             for seq_id in lag.keys() - {keep}:
                 sizes[seq_id] = 0
@@ -169,7 +165,7 @@ class Deferral:
         if not self.held:
             return False
         batch = list(running.values())
-        return self.would_draft(batch, False) and self.pays(batch, sum(running[s].num_tokens for s in self.held))
+        return self.would_draft(batch) and self.pays(batch, sum(running[s].num_tokens for s in self.held))
 
     def discard(self, seq_id: str) -> None:
         self.held.discard(seq_id)

@@ -75,7 +75,7 @@ class Engine:
         self.waiting, self.prefilling = self.admission.waiting, self.admission.prefilling  # the same queues
         self.running: dict[str, Request] = {}
         self.deferral = Deferral(  # who the draft takes, and when
-            self.proposers, lambda reqs, cheap: self.sizer.would_draft(reqs, [self._bound(r) for r in reqs], cheap),
+            self.proposers, lambda reqs: self.sizer.would_draft(reqs, [self._bound(r) for r in reqs]),
             lambda reqs, read: self.sizer.hand_over_pays(reqs, [self._bound(r) for r in reqs], read),
             lambda seq_ids: self.verifier.take_features(seq_ids))
         self.stats = SpecStats()

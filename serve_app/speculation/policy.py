@@ -175,10 +175,9 @@ class KPolicy(Protocol):
 
     def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]: ...
 
-    def would_draft(self, rows: Sequence[Row], takes_cheaply: bool = False) -> bool:
+    def would_draft(self, rows: Sequence[Row]) -> bool:
         """Whether these rows are worth a draft's prefill: the policy's own choice would draft for them
-        (its once-in-a-while probes aside). ``takes_cheaply``: the draft takes a sequence for little (an
-        EAGLE head). A pure query (``engine.deferral`` asks it)."""
+        (its once-in-a-while probes aside). A pure query (``engine.deferral`` asks it)."""
         ...
 
     def hand_over_pays(self, rows: Sequence[Row], remaining: int, read: int) -> bool:
@@ -205,7 +204,7 @@ class FixedPolicy:
     def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]:
         return [r.cap for r in rows]
 
-    def would_draft(self, rows: Sequence[Row], takes_cheaply: bool = False) -> bool:
+    def would_draft(self, rows: Sequence[Row]) -> bool:
         return any(self.choose(rows))
 
     def hand_over_pays(self, rows: Sequence[Row], remaining: int, read: int) -> bool:
@@ -311,7 +310,7 @@ class BlockSizePolicy:
             out.append(prior if mine is None else mine.rate(j, prior, self.prior_weight))
         return out
 
-    def would_draft(self, rows: Sequence[Row], takes_cheaply: bool = False) -> bool:
+    def would_draft(self, rows: Sequence[Row]) -> bool:
         return any(self.choose(rows))
 
     def hand_over_pays(self, rows: Sequence[Row], remaining: int, read: int) -> bool:

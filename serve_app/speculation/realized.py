@@ -114,19 +114,17 @@ class RealizedPolicy:
         """The arm of the highest predicted rate (the smaller k on a tie)."""
         return best(self.rates(rows))
 
-    def would_draft(self, rows: Sequence[Row], takes_cheaply: bool = False) -> bool:
-        """Whether a draft's prefill is worth it for these rows (``engine.deferral``): the leader drafts at
-        their batch bucket, once a drafting round was measured there. Before that, yes for a sequence alone
-        (only a sequence the draft holds can show what drafting realizes), no for a batch: drafting pays
-        less as the batch grows, and the rounds of sequences taken alone measure it there. A draft that
-        takes a sequence cheaply (``takes_cheaply``: an EAGLE head, a one-layer prefill) gets a batch there
-        where the model's leader drafts: handed over one by one, a batch admitted at once would never draft."""
+    def would_draft(self, rows: Sequence[Row]) -> bool:
+        """Whether a decoder draft's prefill is worth it for these rows (``engine.deferral``): the leader
+        drafts at their batch bucket, once a drafting round was measured there. Before that, yes for a
+        sequence alone (only a sequence the draft holds can show what drafting realizes), no for a batch:
+        drafting pays less as the batch grows, and the rounds of sequences taken alone measure it there."""
         if not any(r.cap for r in rows):
             return False
         calibration = self.realized.buckets.get(bucket(len(rows)))
         if calibration is not None and any(w > 0 for w in calibration.sums["weight"][1:]):
             return self.leader(rows) > 0
-        return len(rows) == 1 or (takes_cheaply and self.leader(rows) > 0)
+        return len(rows) == 1
 
     def plain_measured(self, batch: int) -> bool:
         """Whether a plain round was measured at this batch's bucket: the bar every arm there is judged
