@@ -41,8 +41,8 @@ from serve_app.speculation.types import ProposalBlock
 class Deferral:
     def __init__(self, proposers: Mapping[SpeculationMethod, Proposer],
                  would_draft: Callable[[Sequence[Request]], bool],
-                 pays: Callable[[Sequence[Request], int], bool] = lambda requests, read: True,
-                 take_features: Callable[[Sequence[str]], list[torch.Tensor]] | None = None):
+                 pays: Callable[[Sequence[Request], int], bool],
+                 take_features: Callable[[Sequence[str]], list[torch.Tensor]]):
         """``would_draft(requests)``: whether the k policy's own choice drafts for that batch; ``pays(requests,
         read)``: whether drafting for them gains more than a draft reading ``read`` tokens first costs;
         ``take_features(seq_ids)``: the target's features of their contexts (``Verifier.take_features``)."""
@@ -97,19 +97,12 @@ class Deferral:
         """Each request to its proposer, with its whole context so far (and the target's features of it,
         for a proposer that reads them: one call to the target for all of them)."""
         feature_ids = [r.request_id for r in requests if self.proposers[r.method].reads_features]
-        features = dict(zip(feature_ids, self._features(feature_ids), strict=True))
+        features = dict(zip(feature_ids, self.take_features(feature_ids), strict=True)) if feature_ids else {}
         for req in requests:
             proposer = self.proposers[req.method]
             if proposer.reads_late:
                 self.read[req.request_id] = req.num_tokens
             proposer.add_sequence(req.request_id, req.context_ids, req.params.sampling, features.get(req.request_id))
-
-    def _features(self, seq_ids: Sequence[str]) -> list[torch.Tensor]:
-        if not seq_ids:
-            return []
-        if self.take_features is None:
-            raise ValueError("a proposer that reads the target's features needs Deferral(take_features=...)")
-        return self.take_features(seq_ids)
 
     def split(self, requests: Sequence[Request], running: Mapping[str, Request]
               ) -> tuple[list[ProposalBlock], list[Request]]:
