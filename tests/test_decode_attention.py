@@ -73,3 +73,19 @@ def test_the_model_uses_it_for_a_few_queries_and_torch_for_a_prefill():
     assert not decode_attention.supports(case(1, 12, 2, decode_attention.MAX_QUERIES + 1, 40, 128)[0])
     assert not decode_attention.supports(q.float())
     assert not decode_attention.supports(case(1, 4, 2, 1, 10, 80)[0])  # head_dim not a multiple of 64
+
+
+def test_the_result_does_not_depend_on_how_many_threads_share_the_work():
+    # sequences and kv heads go to whichever thread is free: each computed once, the same bits for any count
+    q, keys, values, mask = case(16, 12, 2, 3, 90, 128, seed=2)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3, 7):
+            torch.set_num_threads(n)
+            results.append(decode_attention.attend(q, keys, values, mask))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+    want = exact(q, keys, values, mask)
+    assert ((results[0].double() - want).abs() <= want.abs() * 2**-8 + 1e-4).all()

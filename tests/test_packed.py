@@ -76,6 +76,31 @@ def test_a_rows_result_does_not_depend_on_the_rows_it_is_batched_with(layout):
 
 
 @needs_avx2
+@pytest.mark.parametrize("layout", [*LAYOUTS, "int8"])
+@pytest.mark.parametrize("out_features", [16, 200, 1030])
+def test_the_result_does_not_depend_on_how_many_threads_share_the_work(layout, out_features):
+    # the blocks go to whichever thread is free (a thread the OS preempts holds up only the run it is on):
+    # every block computed once, by one thread, in the same order of sums, whatever the thread count
+    torch.manual_seed(2)
+    linear = nn.Linear(300, out_features, bias=True).to(torch.bfloat16)
+    int8 = layout == "int8"
+    kernel = Avx2Linear(linear, weights="int8" if int8 else "bfloat16", layout="avx2" if int8 else layout)
+    threads = torch.get_num_threads()
+    try:
+        for rows in (1, 5, 16):
+            x = torch.randn(rows, 300, dtype=torch.bfloat16)
+            results = []
+            for n in (1, 2, 3, 7):
+                torch.set_num_threads(n)
+                with torch.no_grad():
+                    results.append(kernel(x))
+            assert all(torch.equal(r, results[0]) for r in results[1:])
+            assert (results[0] != 0).any(dim=0).all()  # no column left unwritten
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_avx2
 def test_bfloat16_weights_take_the_cpus_widest_layout_and_int8_the_avx2_one():
     # AVX-512 BF16 multiplies two bfloat16 pairs per float32 lane in one instruction: a block of a few
     # rows costs about what one row does; int8 weights (a draft's) keep the AVX2 kernel everywhere

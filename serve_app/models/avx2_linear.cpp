@@ -32,6 +32,8 @@
 #include <cstring>
 #include <vector>
 
+#include "share.h"
+
 namespace {
 constexpr int64_t NB = 16;   // output columns per weight block
 constexpr int64_t MT = 6;    // rows per x panel (and per micro-tile)
@@ -180,10 +182,12 @@ void matmul(const typename Tiles::X* xp, int64_t M, int64_t steps, const typenam
             const float* scales, const float* bp, uint16_t* yp, int64_t n_out) {
   const Panels split(M);
   const int64_t panels = split.count;
-  // Work unit: a pair of adjacent blocks (32 columns) over all rows.
+  // Work unit: a pair of adjacent blocks (32 columns) over all rows; a thread takes runs of adjacent units
+  // (one stream of weights), about eight runs a thread
   const int64_t pairs = (blocks + 1) / 2;
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+  share(pairs, std::max<int64_t>(1, pairs / (8 * at::get_num_threads())), [&](auto take) {
     std::vector<float> acc(panels * 2 * MT * NB);  // per panel: two blocks' sums, [panels][2][MT][NB]
+    for (int64_t begin, end; take(begin, end);)
     for (int64_t p = begin; p < end; ++p) {
       const int64_t nb = 2 * p;
       const bool both = nb + 1 < blocks;

@@ -25,6 +25,7 @@ keeps ``F.linear`` and the log says why once.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 from types import ModuleType
@@ -36,6 +37,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("avx2_linear.cpp")
+SHARED = Path(__file__).with_name("share.h")  # included by the kernels: how they spread work over threads
 
 
 def cpu_has_avx2() -> bool:
@@ -50,9 +52,11 @@ def build(name: str, source: Path, fallback: str) -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        # -fopenmp: at::parallel_for runs on torch's threads (without it, on one)
-        return load(name=name, sources=[str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-                    verbose=False)
+        # -fopenmp: at::parallel_for runs on torch's threads (without it, on one). torch rebuilds when a
+        # source or a flag changes, not a header: the shared header's digest goes in as a flag
+        shared = hashlib.sha256(SHARED.read_bytes()).hexdigest()[:16]
+        return load(name=name, sources=[str(source)], verbose=False,
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", f"-DSERVE_APP_SHARED_H={shared}"])
     except Exception as e:  # noqa: BLE001 - a missing compiler or ninja: keep torch's kernels
         log.warning("%s not built (%s: %s); %s", source.name, type(e).__name__, e, fallback)
         return None

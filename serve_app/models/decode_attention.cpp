@@ -19,6 +19,8 @@
 #include <limits>
 #include <vector>
 
+#include "share.h"
+
 namespace {
 constexpr int64_t KB = 32;  // keys a block: 32 x 128 float32 values, 16 KB
 
@@ -142,11 +144,12 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
   const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), ks2 = keys.stride(2);
   const int64_t vs0 = values.stride(0), vs1 = values.stride(1), vs2 = values.stride(2);
-  at::parallel_for(0, B * kv, 1, [&](int64_t begin, int64_t end) {
+  share(B * kv, 1, [&](auto take) {  // a sequence's kv head at a time
     // this thread's buffers: the item's keys (rows past L zero) and values in float32, its query rows,
     // their scores (then weights), their outputs' sums; each query's mask, padded with 0 to L8
     std::vector<float> kf(L8 * D, 0.f), vf(L * D), qf(rows * D), s(rows * L8), out(rows * D), inv(rows);
     std::vector<uint8_t> seen(T * L8, 0);
+    for (int64_t begin, end; take(begin, end);)
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv, g = item % kv;  // row i: head g * groups + i / T, query i % T
       const uint16_t *ks = kp + b * ks0 + g * ks1, *vs = vp + b * vs0 + g * vs1;
