@@ -10,9 +10,10 @@
 namespace {
 // Spreads [0, n) over torch's threads in runs of ``grab``, each run handed to whichever thread asks next:
 // each thread calls ``body(take)`` once (its buffers set up there) and loops ``while (take(begin, end))``.
-// A thread the OS preempts (the replica, the HTTP ingress and the draft share these cores) then holds up
-// only the run it is on, where a fixed share per thread held the whole parallel region until it came
-// back. Which thread computes a run never changes what the run computes.
+// A thread the OS preempts mid-region (the replica, the HTTP ingress and the draft share these cores) then
+// holds up only the run it is on, where a fixed share per thread held the region until it came back; the
+// region still ends when every thread of the team has arrived, one that was never scheduled included.
+// Which thread computes a run never changes what the run computes.
 template <class Body>
 void share(int64_t n, int64_t grab, const Body& body) {
   std::atomic<int64_t> next{0};
