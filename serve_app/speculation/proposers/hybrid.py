@@ -19,6 +19,11 @@ from serve_app.speculation.proposers.ngram import NgramProposer, lookup
 from serve_app.speculation.types import ProposalBlock, SamplingParams, VerifyResult
 
 
+def _drafts(name: str) -> property:
+    """A flag of the hybrid read from its draft proposer (read-only)."""
+    return property(lambda self: getattr(self.draft, name), doc=f"the draft's ``{name}``")
+
+
 class HybridProposer(Proposer):
     def __init__(self, ngram: NgramProposer, draft: Proposer, min_match: int = 2):
         self.ngram, self.draft, self.min_match = ngram, draft, min_match
@@ -51,29 +56,13 @@ class HybridProposer(Proposer):
         again next round."""
         return self.draft.propose_ahead(*self._draft_rows(seq_ids, num_tokens))
 
-    @property
-    def can_propose_ahead(self) -> bool:  # type: ignore[override]  # the draft's, read-only
-        return self.draft.can_propose_ahead
-
-    @property
-    def can_add_later(self) -> bool:  # type: ignore[override]  # the draft's, read-only
-        return self.draft.can_add_later
-
-    @property
-    def reads_features(self) -> bool:  # type: ignore[override]  # the draft's, read-only
-        return self.draft.reads_features
-
-    @property
-    def busy(self) -> bool:  # type: ignore[override]  # the draft's, read-only
-        return self.draft.busy
-
-    @property
-    def prefills_aside(self) -> bool:  # type: ignore[override]  # the draft's, read-only
-        return self.draft.prefills_aside
-
-    @property
-    def reads_late(self) -> bool:  # type: ignore[override]  # the draft's, read-only
-        return self.draft.reads_late
+    # flags the engine reads: the draft's (the lookup needs nothing of the target, is never busy, drafts nothing ahead)
+    can_propose_ahead = _drafts("can_propose_ahead")
+    can_add_later = _drafts("can_add_later")
+    reads_features = _drafts("reads_features")
+    busy = _drafts("busy")
+    prefills_aside = _drafts("prefills_aside")
+    reads_late = _drafts("reads_late")
 
     def _draft_rows(self, seq_ids: Sequence[str], num_tokens: Sequence[int]) -> tuple[list[str], list[int]]:
         return list(seq_ids), [k if s in self.by_draft else 0 for s, k in zip(seq_ids, num_tokens, strict=True)]
