@@ -152,6 +152,29 @@ def test_a_request_admitted_alone_goes_to_the_draft_at_once(tiny_models):
     assert not engine.deferral.held and engine.last_costs.k == 3
 
 
+def test_requests_that_arrive_during_a_prefill_count_in_the_batch_the_draft_decides_for(tiny_models):
+    """Served, requests sent together reach the engine one by one: the first is admitted alone and the
+    others arrive during its prefill (the real pair at 4 streams: the draft took the first, prefilled it
+    and drafted a round for it alone before the others joined, and every stream's first token waited for
+    that). Those that arrived meanwhile count in the batch the draft is asked about."""
+    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=4)
+    engine.policy = DraftsAlone()
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    params = GenerationParams(max_tokens=10, ignore_eos=True)
+    plain = engine.generate(prompts, GenerationParams(max_tokens=10, method="none", ignore_eos=True))
+
+    first = engine.add_request(prompts[0], params)
+    later: list[str] = []
+    engine.admission.arrivals = lambda: later or later.append(engine.add_request(prompts[1], params))
+    engine.step()
+    assert later and [r.request_id for r in engine.waiting] == later  # arrived during the prefill, not admitted yet
+    assert first in engine.deferral.held and engine.last_costs.k == 0  # its round alone did not draft
+    outputs: dict[str, list[int]] = {}
+    while engine.has_work:
+        outputs.update((out.request_id, out.token_ids) for out in engine.step())
+    assert [outputs[first], outputs[later[0]]] == [p.token_ids for p in plain]
+
+
 def test_rounds_during_a_drafts_background_prefill_are_not_what_the_policy_learns(cluster, tiny_models):
     draft = remote_draft(SlowAddDraft, tiny_models)
     ray.get(draft.actor.ping.remote())

@@ -4,7 +4,9 @@ placement, worker failures, Serve) is in test_serve_app.py and test_faults.py.""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Sequence
 
 import pytest
 from fastapi.testclient import TestClient
@@ -16,6 +18,7 @@ from serve_app.serving import openai_api as oa
 from serve_app.serving.engine_loop import EngineLoop
 from serve_app.serving.frontend import OpenAIFrontend
 from serve_app.serving.http import build_http_app
+from serve_app.speculation.policy import FixedPolicy, Row
 from tests.helpers import engine_for, hf_greedy
 
 MODEL = "tiny-qwen3"
@@ -171,3 +174,55 @@ def test_error_bodies_have_the_openai_shape():
     body = oa.error_body("bad", "max_tokens")
     assert body == {"error": {"message": "bad", "type": "invalid_request_error", "param": "max_tokens", "code": None}}
     assert set(oa.NEUTRAL) >= {"tools", "tool_choice", "functions", "response_format", "logit_bias"}
+
+
+class DraftsForTwo(FixedPolicy):
+    """Drafts for a batch of at most two (as a CPU's best k falls to 0 as the batch grows)."""
+
+    def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]:
+        return [r.cap if len(rows) <= 2 else 0 for r in rows]
+
+
+def test_requests_sent_during_a_prefill_join_the_batch_its_round_is_decided_for(tiny_models):
+    """Requests sent together reach the engine loop one by one, the rest arriving during the first's
+    prefill: the loop takes them in before that step's round, so the draft is not handed a sequence for a
+    batch that is about to grow past drafting. A client that leaves during the step frees its slot after
+    the step (its sequence is in use until then); nothing is lost."""
+    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=4)
+    engine.policy = DraftsForTwo()
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    params = GenerationParams(max_tokens=12, ignore_eos=True)
+    plain = engine.generate(prompts[:2], GenerationParams(max_tokens=12, method="none", ignore_eos=True))
+    drafted: list[dict[str, int]] = []
+    engine.on_round = lambda result, seconds: drafted.append(
+        dict(zip(result.seq_ids, result.num_draft_tokens.tolist(), strict=True)))
+    loop = EngineLoop(engine)
+
+    async def main() -> list[list[int]]:
+        events = asyncio.get_running_loop()
+        leaving = loop.submit(prompts[2], GenerationParams(max_tokens=200, ignore_eos=True), "leaving")
+        await anext(leaving)
+        later = []
+
+        async def during_the_prefill() -> None:
+            later.append(loop.submit(prompts[1], params, "second"))
+            await leaving.aclose()  # its client goes away while the step holds its sequence
+
+        add = engine.verifier.add_sequence
+
+        def adding(seq_id, *args, **kw):
+            out = add(seq_id, *args, **kw)
+            if seq_id == "first":
+                asyncio.run_coroutine_threadsafe(during_the_prefill(), events).result()
+            return out
+
+        engine.verifier.add_sequence = adding
+        first = [out async for out in loop.submit(prompts[0], params, "first")][-1]
+        second = [out async for out in later[0]][-1]
+        return [first.token_ids, second.token_ids]
+
+    assert asyncio.run(main()) == [p.token_ids for p in plain]
+    first_round = next(r for r in drafted if "first" in r)
+    assert first_round["first"] == 0  # three about to run: the draft did not take it
+    assert any(r.get("first") for r in drafted)  # the two left drafted
+    assert "leaving" not in engine.running and engine.verifier.free_slots == 4

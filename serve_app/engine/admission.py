@@ -6,6 +6,10 @@ sequences by a chunk a round, never by the whole prompt. A sequence joins the ro
 is cached (the engine hands it to its proposer then, or before the target's prefill when the proposer
 needs nothing of the target's: ``engine.deferral``). The last prompt token is never cached here: the
 sequence's first round scores it.
+
+Requests sent together reach a served engine one by one: the first is often admitted alone, the rest
+arriving during its prefill. ``arrivals`` (the serving loop's) queues those before the step goes on, so
+the batch its round and its draft are decided for is the one about to run.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ class Admission:
         self.prefill_chunk = prefill_chunk  # most prompt tokens cached per step; None: whole prompts
         self.waiting: deque[Request] = deque()
         self.prefilling: deque[Request] = deque()  # admitted, prompt partly cached on the target (oldest first)
+        self.arrivals: Callable[[], object] = lambda: None  # queues requests submitted meanwhile (``waiting``)
 
     def step(self, verifier: Verifier, starting: Callable[[Request], Callable[[], None]] = lambda req: lambda: None
              ) -> tuple[bool, list[Request]]:
@@ -54,6 +59,8 @@ class Admission:
                 budget -= max(n, 1)  # a one-token prompt caches nothing, but admitting it is a call
             if req.prefilled == len(req.context_ids) - 1:
                 ready.append(self.prefilling.popleft())
+        if ready:
+            self.arrivals()
         return admitted, ready
 
     @staticmethod

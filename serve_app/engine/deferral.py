@@ -2,7 +2,8 @@
 
 A decoder draft's prefill of a prompt costs as much compute as many target rounds, and on a host whose
 draft and target share cores it slows the target while it runs. A sequence admitted at a batch size
-where the k policy would not draft (a large batch on a CPU) is kept out of its proposer (it decodes
+where the k policy would not draft (a large batch on a CPU; the batch counts the waiting requests the
+next step admits, as requests sent together reach a served engine one by one) is kept out of its proposer (it decodes
 plainly) when that proposer can take it later (``Proposer.can_add_later``); once the policy would
 draft for the running batch again (``KPolicy.would_draft``: its own choice, not one of its
 once-in-a-while probes) and drafting is predicted to gain more over the tokens the batch may still
@@ -42,12 +43,14 @@ class Deferral:
     def __init__(self, proposers: Mapping[SpeculationMethod, Proposer],
                  would_draft: Callable[[Sequence[Request]], bool],
                  pays: Callable[[Sequence[Request], int], bool],
-                 take_features: Callable[[Sequence[str]], list[torch.Tensor]]):
+                 take_features: Callable[[Sequence[str]], list[torch.Tensor]],
+                 joining: Callable[[], Sequence[Request]] = list):
         """``would_draft(requests)``: whether the k policy's own choice drafts for that batch; ``pays(requests,
         read)``: whether drafting for them gains more than a draft reading ``read`` tokens first costs;
-        ``take_features(seq_ids)``: the target's features of their contexts (``Verifier.take_features``)."""
+        ``take_features(seq_ids)``: the target's features of their contexts (``Verifier.take_features``);
+        ``joining()``: the waiting requests the next step admits (in the batch the draft decides for)."""
         self.proposers, self.would_draft, self.pays = proposers, would_draft, pays
-        self.take_features = take_features
+        self.take_features, self.joining = take_features, joining
         self.held: set[str] = set()  # running requests their proposer does not hold yet
         self.early: set[str] = set()  # handed over before the target's prefill (``start``), not running yet
         self.read: dict[str, int] = {}  # tokens of a sequence its draft has read (``reads_late``: at its last draft)
@@ -86,7 +89,7 @@ class Deferral:
                 self.early.discard(req.request_id)
                 continue
             if self.proposers[req.method].can_add_later:
-                drafting = self.would_draft(list(running.values())) if drafting is None else drafting
+                drafting = self.would_draft(self.batch(running)) if drafting is None else drafting
                 if not drafting:
                     self.held.add(req.request_id)
                     continue
@@ -140,7 +143,7 @@ class Deferral:
         drafts then will have read every token of the sequences they draft for, and of those drafted
         ahead (``ahead``)."""
         lag = {r.request_id: n for r in requests if sizes[r.request_id] and (n := self.behind(r)) is not None}
-        if len(lag) > 1 and not self.would_draft(list(running.values())):
+        if len(lag) > 1 and not self.would_draft(self.batch(running)):
             keep = min(lag, key=lambda s: (lag[s], s))
             for seq_id in lag.keys() - {keep}:
                 sizes[seq_id] = 0
@@ -157,8 +160,13 @@ class Deferral:
         """Whether the next round's ``split`` hands the held sequences over (so that round may draft)."""
         if not self.held:
             return False
-        batch = list(running.values())
+        batch = self.batch(running)
         return self.would_draft(batch) and self.pays(batch, sum(running[s].num_tokens for s in self.held))
+
+    def batch(self, running: Mapping[str, Request]) -> list[Request]:
+        """The batch the draft decides for: the running requests and those about to join them (requests
+        sent together reach a served engine one by one, the rest arriving during the first's prefill)."""
+        return [*running.values(), *self.joining()]
 
     def discard(self, seq_id: str) -> None:
         self.held.discard(seq_id)

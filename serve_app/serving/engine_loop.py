@@ -61,6 +61,8 @@ class EngineLoop:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
+        self._aborts: list[str] = []  # taken in during a step (``_arrivals``), applied at the next drain
+        engine.admission.arrivals = self._arrivals
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -140,7 +142,16 @@ class EngineLoop:
             log.exception("resuming after a failed round failed")
             return False
 
-    def _drain(self, block: bool) -> None:
+    def _arrivals(self) -> None:
+        """Inside a step, after a prefill: queue the requests submitted meanwhile (``engine.admission``).
+        Aborts wait for the next drain: the step holds sequences that an abort would release."""
+        self._drain(block=False, in_step=True)
+
+    def _drain(self, block: bool, in_step: bool = False) -> None:
+        if not in_step:
+            for request_id in self._aborts:
+                self.engine.abort(request_id)
+            self._aborts.clear()
         while True:
             try:  # an idle loop wakes up now and then to refresh gauges
                 command = self._commands.get(block=block, timeout=GAUGE_REFRESH_S if block else None)
@@ -156,6 +167,8 @@ class EngineLoop:
                     self.metrics.on_admitted(len(prompt_ids))
                 except Exception as e:  # noqa: BLE001 - validated already; report anything else
                     self._push(request_id, e)
+            elif command[0] == "abort" and in_step:
+                self._aborts.append(command[1])
             elif command[0] == "abort":
                 self.engine.abort(command[1])
 
