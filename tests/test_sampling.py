@@ -53,3 +53,20 @@ def test_sample_rows_uses_each_rows_generator():
     a = sample_rows(p, [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)])
     b = sample_rows(p[:1], [torch.Generator().manual_seed(1)])
     assert a[0] == b[0]
+
+
+def test_sample_rows_draws_each_rows_distribution_and_never_a_token_without_mass():
+    """Unnormalised rows (a rejection's residual) too; a token of no mass (cut by top-k or top-p, or
+    the vocabulary's tail) is never drawn."""
+    p = torch.tensor([[0.0, 2.0, 1.0, 0.0, 1.0, 0.0], [0.5, 0.0, 0.0, 0.0, 0.0, 0.5]])
+    gens = [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
+    n = 8000
+    counts = torch.zeros_like(p)
+    for _ in range(n):
+        counts[torch.arange(2), sample_rows(p, gens)] += 1
+    assert (counts[p == 0] == 0).all()
+    for row in range(2):
+        mass = p[row] > 0
+        expected = p[row][mass] / p[row].sum() * n
+        chi2 = float(((counts[row][mass] - expected) ** 2 / expected).sum())
+        assert chi2 < 16.3  # chi-square, 3 degrees of freedom at most, p = 0.001

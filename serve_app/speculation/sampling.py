@@ -53,6 +53,17 @@ def truncate_top(probs: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.T
 
 
 def sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """One draw per row, each from its own generator: [batch, vocab] -> [batch] int64."""
-    draws = [torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators, strict=True)]
-    return torch.cat(draws)
+    """One draw per row, each from its own generator: [batch, vocab] (unnormalised is fine) -> [batch] int64.
+
+    Inverse transform: a uniform draw per row against the row's cumulative mass, both in float64.
+    ``torch.multinomial`` took 1.1 ms a row on this project's CPUs at a 49 k vocabulary and 3.3 ms at 152 k
+    (17 ms of a 16-row round of SmolLM2 that takes about 65; 53 ms of the 1.5 B target's ~200), this 0.1
+    and 0.25. A token without mass is never drawn: its cumulative sum equals the one before it."""
+    cdf = probs.double().cumsum(dim=-1)
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+    picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+    stray = probs.gather(1, picks[:, None])[:, 0] <= 0  # u * total rounded up to the total: past the last mass
+    if stray.any():
+        last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
+        picks = torch.where(stray, last, picks)
+    return picks

@@ -27,7 +27,7 @@ import torch
 
 from serve_app.models.base import Runner
 from serve_app.speculation.proposers.base import Drafted, Proposer, TokenHistory
-from serve_app.speculation.sampling import probabilities, truncate_top
+from serve_app.speculation.sampling import probabilities, sample_rows, truncate_top
 from serve_app.speculation.types import PAD_TOKEN, ProposalBlock, SamplingParams, VerifyResult
 
 DRAFT_SEED_OFFSET = 0x5EED  # the draft's generator must not replay the target's random stream
@@ -185,8 +185,8 @@ class DraftModelProposer(Proposer):
             ids, q = truncate_top(probs, self.width)  # [rows, width], draft ids
             if to_target is not None:
                 ids = torch.where(ids >= 0, to_target[ids.clamp(min=0)], ids)
-            for j, r in enumerate(sampled):
-                pick = torch.multinomial(q[j], 1, generator=self.generators[seq_ids[r]])
+            picks = sample_rows(q, [self.generators[seq_ids[r]] for r in sampled]).tolist()
+            for j, (r, pick) in enumerate(zip(sampled, picks, strict=True)):
                 out[r] = (int(ids[j, pick]), ids[j], q[j], float(q[j, pick]))
         return out
 
