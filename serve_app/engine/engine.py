@@ -231,7 +231,7 @@ class Engine:
     def _admit(self) -> bool:
         """Admission's step (``engine.admission``); a request whose prompt is cached enters the round, and
         its proposer as ``engine.deferral`` decides. Returns whether anything was admitted or cached."""
-        joining = list(self.waiting)[:self.verifier.free_slots]  # what this step admits, at most
+        joining = self.deferral.joining()  # what this step admits, at most
         batch = [*self.running.values(), *self.prefilling, *joining]
         admitted, ready = self.admission.step(self.verifier, lambda req: self.deferral.start(req, batch))
         for req in ready:
