@@ -33,11 +33,11 @@ class DraftsAlone(FixedPolicy):
         return [r.cap if len(rows) == 1 else 0 for r in rows]
 
 
-def held_engine(tiny_models, request, draft: str, **speculation):
+def held_engine(tiny_models, request, draft: str, batch: int = 2, **speculation):
     if draft == "eagle":
-        return engine_for(tiny_models["llama"], draft=request.getfixturevalue("tiny_eagle") / "draft", k=3, batch=2,
-                          **speculation)
-    return engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=2, **speculation)
+        return engine_for(tiny_models["llama"], draft=request.getfixturevalue("tiny_eagle") / "draft", k=3,
+                          batch=batch, **speculation)
+    return engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=batch, **speculation)
 
 
 @pytest.mark.parametrize("draft", ["decoder", "eagle", "eagle+ngram"])
@@ -173,6 +173,54 @@ def test_requests_that_arrive_during_a_prefill_count_in_the_batch_the_draft_deci
     while engine.has_work:
         outputs.update((out.request_id, out.token_ids) for out in engine.step())
     assert [outputs[first], outputs[later[0]]] == [p.token_ids for p in plain]
+
+
+class NeverMeasuredAtABatch(FixedPolicy):
+    """Would draft for a sequence alone; a batch size is unexplored until a round drafted there (as
+    ``speculation.realized`` before its first drafting round at a batch size)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.measured: set[int] = set()
+
+    def would_draft(self, rows: Sequence[Row]) -> bool:
+        return len(rows) == 1
+
+    def unexplored(self, rows: Sequence[Row]) -> bool:
+        return any(r.cap for r in rows) and len(rows) not in self.measured
+
+    def record_costs(self, costs: RoundCosts) -> None:
+        super().record_costs(costs)
+        if costs.k:
+            self.measured.add(costs.batch)
+
+
+@pytest.mark.parametrize("draft", ["decoder", "eagle"])
+def test_where_every_sequence_is_held_at_a_batch_size_never_drafted_at_the_draft_takes_one(tiny_models, request,
+                                                                                         draft):
+    """Requests sent together are held together (``test_requests_that_arrive_during_a_prefill...``), so no
+    sequence is with the draft and no probe can measure drafting at that batch size: the policy would
+    judge it by its model alone, forever. Then the draft takes one sequence (the shortest context: the
+    cheapest to read), whose rounds measure drafting there; the others stay held, and the output is plain
+    decoding's."""
+    engine = held_engine(tiny_models, request, draft, batch=3)
+    engine.policy = policy = NeverMeasuredAtABatch()
+    prompts = [engine.tokenizer.encode(p) for p in [*PROMPTS, "Once upon a time, in a land far away, there lived"]]
+    lengths = [24 if len(p) == min(map(len, prompts)) else 10 for p in prompts]
+    plain = engine.generate(prompts, [GenerationParams(max_tokens=n, method="none", ignore_eos=True)
+                                      for n in lengths])
+    ids = [engine.add_request(p, GenerationParams(max_tokens=n, ignore_eos=True))
+           for p, n in zip(prompts, lengths, strict=True)]
+    shortest = ids[lengths.index(24)]
+    rounds = drafting_rows(engine)
+    outputs: dict[str, list[int]] = {}
+    while engine.has_work:
+        for out in engine.step():
+            outputs[out.request_id] = out.token_ids
+        if len(engine.running) == 3:
+            assert engine.deferral.held == set(ids) - {shortest}
+    assert 3 in policy.measured and {s for r in rounds for s in r} == {shortest}
+    assert [outputs[i] for i in ids] == [p.token_ids for p in plain]
 
 
 def test_rounds_during_a_drafts_background_prefill_are_not_what_the_policy_learns(cluster, tiny_models):

@@ -259,6 +259,23 @@ def test_it_would_draft_for_a_sequence_alone_until_measured_and_then_as_its_own_
     assert policy.would_draft(rows(4))  # drafting leads at 4 once it pays there
 
 
+def test_a_batch_size_where_drafting_was_never_measured_is_unexplored_until_a_drafting_round_there():
+    """``unexplored``: no drafting round measured at these rows' batch size (``engine.deferral`` then gives
+    the draft one sequence, so a probe can measure it); plain rounds there do not count, other sizes neither."""
+    under_load = lambda batch, k: 0.020 + 0.004 * batch * (1 + k) + (0.010 + 0.006 * k if k else 0.0)  # noqa: E731
+    rows = lambda n: [Row(f"s{i}", MAX_K, "draft") for i in range(n)]  # noqa: E731
+    policy = fresh()
+    assert policy.unexplored(rows(4)) and policy.unexplored(rows(1))
+    assert not policy.unexplored([Row("s0", 0, "draft"), Row("s1", 0, "draft")])  # nothing may draft
+    assert not FixedPolicy().unexplored(rows(4)) and not BlockSizePolicy(MAX_K).unexplored(rows(4))
+    arms: list[int] = []
+    while not any(arms):  # plain rounds first (``test_at_a_batch_size_new_to_it_plain_decoding_is_measured_first``)
+        assert policy.unexplored(rows(4)) and len(arms) < 3 * EXPLORE_EVERY
+        arms += [arm for arm, _, _ in play(policy, 1, 4, lambda t: 0.6, under_load, seen_step=0.006)]
+    assert arms[0] == 0 and not policy.unexplored(rows(4)) and not policy.unexplored(rows(3))
+    assert policy.unexplored(rows(8))  # another batch size
+
+
 def test_a_hand_over_is_played_only_when_drafting_is_predicted_to_gain_more_than_the_catch_up_costs():
     """Handing held sequences to a draft makes it read their whole contexts first (the real pair at 4
     streams: 1.9 s for a round whose target and draft calls took 0.47 s and 0.32 s, three sequences handed

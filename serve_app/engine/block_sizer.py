@@ -50,8 +50,7 @@ class BlockSizer:
         request drafts its cap."""
         caps = self.caps(requests, bounds)
         seeded = any(c and r.params.sampling.seed is not None for r, c in zip(requests, caps, strict=True))
-        return seeded or self.policy.would_draft(
-            [Row(r.request_id, c, r.method) for r, c in zip(requests, caps, strict=True)])
+        return seeded or self.policy.would_draft(rows(requests, caps))
 
     def hand_over_pays(self, requests: Sequence[Request], bounds: Sequence[int], read: int) -> bool:
         """``KPolicy.hand_over_pays`` for these requests, over the tokens they may still generate; a seeded
@@ -60,8 +59,11 @@ class BlockSizer:
         if any(c and r.params.sampling.seed is not None for r, c in zip(requests, caps, strict=True)):
             return True
         remaining = sum(max(0, r.params.max_tokens - len(r.output_ids)) for r in requests)
-        return self.policy.hand_over_pays([Row(r.request_id, c, r.method) for r, c in zip(requests, caps, strict=True)],
-                                          remaining, read)
+        return self.policy.hand_over_pays(rows(requests, caps), remaining, read)
+
+    def unexplored(self, requests: Sequence[Request], bounds: Sequence[int]) -> bool:
+        """``KPolicy.unexplored`` for these requests."""
+        return self.policy.unexplored(rows(requests, self.caps(requests, bounds)))
 
     def choose(self, requests: Sequence[Request], bounds: Sequence[int], pipelined: bool = False) -> list[int]:
         """This round's k for each request, within ``bounds`` (the engine's hard bounds per request)."""
@@ -69,8 +71,9 @@ class BlockSizer:
         if not any(caps):
             return caps
         free = [i for i, r in enumerate(requests) if r.params.sampling.seed is None]
-        rows = [Row(requests[i].request_id, caps[i], requests[i].method) for i in free]
-        for i, k in zip(free, self.policy.choose(rows, plain_overhead_hidden=pipelined), strict=True):
+        chosen = self.policy.choose(rows([requests[i] for i in free], [caps[i] for i in free]),
+                                    plain_overhead_hidden=pipelined)
+        for i, k in zip(free, chosen, strict=True):
             caps[i] = k
         return caps
 
@@ -81,3 +84,8 @@ class BlockSizer:
 
     def forget(self, seq_id: str) -> None:
         self.policy.forget(seq_id)
+
+
+def rows(requests: Sequence[Request], caps: Sequence[int]) -> list[Row]:
+    """What the policy sees of each request: its id, its cap this round, its proposer."""
+    return [Row(r.request_id, c, r.method) for r, c in zip(requests, caps, strict=True)]

@@ -10,11 +10,15 @@ once-in-a-while probes) and drafting is predicted to gain more over the tokens t
 generate than the draft's reading of the held sequences' contexts costs (``KPolicy.hand_over_pays``: on
 the real pair at 4 streams a hand-over took 1.9 s where a round drafting takes 0.8, for one such round),
 every such sequence is handed over with its whole context so far, and drafts from the rounds after its
-prefill. An EAGLE head (``Proposer.reads_features``) takes a sequence at admission or later the same
-way, with the target's features of the context, which the target keeps until then (``Verifier.take_features``):
-served on the embedded model at 16 streams, where the policy plays plain, the head had taken every
-sequence at admission, so every prompt's and every plain round's features went to the replica and on to
-the head, and the head prefilled every prompt, for rounds that never drafted.
+prefill. Requests sent together are held together, though, and a held row never drafts, not even in a
+probe: at a batch size where the policy has never measured a drafting round (``KPolicy.unexplored``) and
+no sequence is with the draft, the draft takes the one with the shortest context, so the policy's
+probes measure drafting there instead of its model's guess standing for ever (one prefill of one
+sequence per batch size, once). An EAGLE head (``Proposer.reads_features``) takes a sequence at
+admission or later the same way, with the target's features of the context, which the target keeps
+until then (``Verifier.take_features``): served on the embedded model at 16 streams, where the policy
+plays plain, the head had taken every sequence at admission, so every prompt's and every plain round's
+features went to the replica and on to the head, and the head prefilled every prompt, for rounds that never drafted.
 
 A decoder draft, and an EAGLE head (``Proposer.reads_late``), reads the tokens of a sequence it holds
 only when it next drafts for it: after a stretch of plain rounds, every token of the stretch at once (a
@@ -34,22 +38,21 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 
 from serve_app.config import SpeculationMethod
+from serve_app.engine.block_sizer import BlockSizer
 from serve_app.engine.request import Request
 from serve_app.speculation.proposers.base import Proposer
 from serve_app.speculation.types import ProposalBlock
 
 
 class Deferral:
-    def __init__(self, proposers: Mapping[SpeculationMethod, Proposer],
-                 would_draft: Callable[[Sequence[Request]], bool],
-                 pays: Callable[[Sequence[Request], int], bool],
-                 take_features: Callable[[Sequence[str]], list[torch.Tensor]],
+    def __init__(self, proposers: Mapping[SpeculationMethod, Proposer], sizer: BlockSizer,
+                 bound: Callable[[Request], int], take_features: Callable[[Sequence[str]], list[torch.Tensor]],
                  joining: Callable[[], Sequence[Request]] = list):
-        """``would_draft(requests)``: whether the k policy's own choice drafts for that batch; ``pays(requests,
-        read)``: whether drafting for them gains more than a draft reading ``read`` tokens first costs;
-        ``take_features(seq_ids)``: the target's features of their contexts (``Verifier.take_features``);
-        ``joining()``: the waiting requests the next step admits (in the batch the draft decides for)."""
-        self.proposers, self.would_draft, self.pays = proposers, would_draft, pays
+        """``sizer``: the k policy's judgement of a batch, each request capped by ``bound(request)`` (the
+        engine's hard bounds); ``take_features(seq_ids)``: the target's features of their contexts
+        (``Verifier.take_features``); ``joining()``: the waiting requests the next step admits (in the
+        batch the draft decides for)."""
+        self.proposers, self.sizer, self.bound = proposers, sizer, bound
         self.take_features, self.joining = take_features, joining
         self.held: set[str] = set()  # running requests their proposer does not hold yet
         self.early: set[str] = set()  # handed over before the target's prefill (``start``), not running yet
@@ -109,15 +112,14 @@ class Deferral:
 
     def split(self, requests: Sequence[Request], running: Mapping[str, Request]
               ) -> tuple[list[ProposalBlock], list[Request]]:
-        """Before a round's proposals: every held sequence goes to its proposer if the policy would draft
-        for the running batch again. Returns the held ones' empty block (they decode plainly) and the
-        requests that propose as usual."""
-        self.handed_over = self.releasing(running)
-        if self.handed_over:
-            handed = [running[seq_id] for seq_id in sorted(self.held)]
+        """Before a round's proposals: held sequences go to their proposer as ``releases`` says. Returns the
+        held ones' empty block (they decode plainly) and the requests that propose as usual."""
+        handed = [running[seq_id] for seq_id in self.releases(running)]
+        self.handed_over = bool(handed)
+        if handed:
             self._hand(handed)
             self.read_first += sum(r.num_tokens for r in handed)
-            self.held.clear()
+            self.held.difference_update(r.request_id for r in handed)
         if not self.held:
             return [], list(requests)
         plain = [r.request_id for r in requests if r.request_id in self.held]
@@ -156,12 +158,32 @@ class Deferral:
                 self.read[seq_id] = running[seq_id].num_tokens
         return catches_up
 
+    def would_draft(self, requests: Sequence[Request]) -> bool:
+        """Whether the k policy's own choice drafts for that batch (``BlockSizer.would_draft``)."""
+        return self.sizer.would_draft(requests, [self.bound(r) for r in requests])
+
     def releasing(self, running: Mapping[str, Request]) -> bool:
-        """Whether the next round's ``split`` hands the held sequences over (so that round may draft)."""
+        """Whether the next round's ``split`` hands held sequences over (so that round may draft)."""
+        return bool(self.releases(running))
+
+    def releases(self, running: Mapping[str, Request]) -> list[str]:
+        """The held sequences the next round's ``split`` hands over: every one, where the policy would draft
+        for the batch and drafting is predicted to gain more than the draft's reading of them costs
+        (``BlockSizer.hand_over_pays``); else one, the shortest context (the cheapest to read), where no
+        sequence of the batch is with a draft that can take it and the policy has never measured a round
+        drafting at the batch's size (``BlockSizer.unexplored``): requests sent together are held
+        together, and only a sequence a draft holds can show what drafting there realizes."""
         if not self.held:
-            return False
+            return []
         batch = self.batch(running)
-        return self.would_draft(batch) and self.pays(batch, sum(running[s].num_tokens for s in self.held))
+        bounds = [self.bound(r) for r in batch]
+        if self.sizer.would_draft(batch, bounds) and self.sizer.hand_over_pays(
+                batch, bounds, sum(running[s].num_tokens for s in self.held)):
+            return sorted(self.held)
+        with_draft = any(s not in self.held and self.proposers[r.method].can_add_later for s, r in running.items())
+        if with_draft or not self.sizer.unexplored(batch, bounds):
+            return []
+        return [min(self.held, key=lambda s: (running[s].num_tokens, s))]
 
     def batch(self, running: Mapping[str, Request]) -> list[Request]:
         """The batch the draft decides for: the running requests and those about to join them (requests

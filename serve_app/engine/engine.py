@@ -75,9 +75,8 @@ class Engine:
         self.waiting, self.prefilling = self.admission.waiting, self.admission.prefilling  # the same queues
         self.running: dict[str, Request] = {}
         self.deferral = Deferral(  # who the draft takes, and when
-            self.proposers, lambda reqs: self.sizer.would_draft(reqs, [self._bound(r) for r in reqs]),
-            lambda reqs, read: self.sizer.hand_over_pays(reqs, [self._bound(r) for r in reqs], read),
-            lambda seq_ids: self.verifier.take_features(seq_ids), lambda: list(self.waiting)[:self.verifier.free_slots])
+            self.proposers, sizer, self._bound, lambda seq_ids: self.verifier.take_features(seq_ids),
+            lambda: list(self.waiting)[:self.verifier.free_slots])
         self.stats = SpecStats()
         self._ids = itertools.count()
         self.pipeline = PlainPipeline()  # plain rounds sent ahead (only where the verifier can_send_ahead)

@@ -185,6 +185,11 @@ class KPolicy(Protocol):
         generate, more than a draft reading ``read`` tokens first costs (``engine.deferral``). A pure query."""
         ...
 
+    def unexplored(self, rows: Sequence[Row]) -> bool:
+        """Whether the policy has still to measure a drafting round at these rows' batch size (one of them
+        may draft): ``engine.deferral`` then has a draft hold one of them, so a probe can. A pure query."""
+        ...
+
     def observe(self, result: VerifyResult) -> None: ...
 
     def record_costs(self, costs: RoundCosts) -> None: ...
@@ -209,6 +214,9 @@ class FixedPolicy:
 
     def hand_over_pays(self, rows: Sequence[Row], remaining: int, read: int) -> bool:
         return True  # every row drafts its cap, whatever it costs
+
+    def unexplored(self, rows: Sequence[Row]) -> bool:
+        return False  # it measures nothing to choose by
 
     def observe(self, result: VerifyResult) -> None:
         pass
@@ -316,6 +324,9 @@ class BlockSizePolicy:
     def hand_over_pays(self, rows: Sequence[Row], remaining: int, read: int) -> bool:
         ks, rate, plain_rate = self.best(rows)
         return any(ks) and remaining * (1 / plain_rate - 1 / rate) > self.catch_up(read)
+
+    def unexplored(self, rows: Sequence[Row]) -> bool:
+        return False  # its lines hold at every batch size; ``speculation.realized`` judges them by what rounds realize
 
     def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]:
         """k for each row, to maximise expected tokens per second of this round. A pure query."""

@@ -121,10 +121,15 @@ class RealizedPolicy:
         drafting pays less as the batch grows, and the rounds of sequences taken alone measure it there."""
         if not any(r.cap for r in rows):
             return False
+        return len(rows) == 1 if self.unexplored(rows) else self.leader(rows) > 0
+
+    def unexplored(self, rows: Sequence[Row]) -> bool:
+        """Whether no drafting round was measured at these rows' batch bucket (one of them may draft). Rows
+        the draft holds none of are never probed (a held row's cap is 0), so ``engine.deferral`` then hands
+        one over: requests sent together are held together, and drafting there would never be measured."""
         calibration = self.realized.buckets.get(bucket(len(rows)))
-        if calibration is not None and any(w > 0 for w in calibration.sums["weight"][1:]):
-            return self.leader(rows) > 0
-        return len(rows) == 1
+        measured = calibration is not None and any(w > 0 for w in calibration.sums["weight"][1:])
+        return not measured and any(r.cap for r in rows)
 
     def plain_measured(self, batch: int) -> bool:
         """Whether a plain round was measured at this batch's bucket: the bar every arm there is judged
