@@ -176,21 +176,24 @@ def test_requests_that_arrive_during_a_prefill_count_in_the_batch_the_draft_deci
 
 
 class NeverMeasuredAtABatch(FixedPolicy):
-    """Would draft for a sequence alone; a batch size is unexplored until a round drafted there (as
-    ``speculation.realized`` before its first drafting round at a batch size)."""
+    """Would draft for a sequence alone; at a batch size where no round drafted, a hand-over to measure it
+    pays after ``wait`` rounds there (as ``speculation.realized``'s, once it is a small share of the time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, wait: int = 3) -> None:
         super().__init__()
         self.measured: set[int] = set()
+        self.rounds, self.wait, self.asked = 0, wait, []
 
     def would_draft(self, rows: Sequence[Row]) -> bool:
         return len(rows) == 1
 
-    def unexplored(self, rows: Sequence[Row]) -> bool:
-        return any(r.cap for r in rows) and len(rows) not in self.measured
+    def explore_pays(self, rows: Sequence[Row], read: int) -> bool:
+        self.asked.append(read)
+        return any(r.cap for r in rows) and len(rows) not in self.measured and self.rounds >= self.wait
 
     def record_costs(self, costs: RoundCosts) -> None:
         super().record_costs(costs)
+        self.rounds += 1
         if costs.k:
             self.measured.add(costs.batch)
 
@@ -200,15 +203,15 @@ def test_where_every_sequence_is_held_at_a_batch_size_never_drafted_at_the_draft
                                                                                          draft):
     """Requests sent together are held together (``test_requests_that_arrive_during_a_prefill...``), so no
     sequence is with the draft and no probe can measure drafting at that batch size: the policy would
-    judge it by its model alone, forever. Then the draft takes one sequence (the shortest context: the
-    cheapest to read), whose rounds measure drafting there; the others stay held, and the output is plain
-    decoding's."""
+    judge it by its model alone, forever. Once the policy says measuring it pays for the draft's reading,
+    the draft takes one sequence (the shortest context: the cheapest to read), whose rounds measure
+    drafting there; the others stay held, and the output is plain decoding's."""
     engine = held_engine(tiny_models, request, draft, batch=3)
-    engine.policy = policy = NeverMeasuredAtABatch()
     prompts = [engine.tokenizer.encode(p) for p in [*PROMPTS, "Once upon a time, in a land far away, there lived"]]
     lengths = [24 if len(p) == min(map(len, prompts)) else 10 for p in prompts]
     plain = engine.generate(prompts, [GenerationParams(max_tokens=n, method="none", ignore_eos=True)
                                       for n in lengths])
+    engine.policy = policy = NeverMeasuredAtABatch()
     ids = [engine.add_request(p, GenerationParams(max_tokens=n, ignore_eos=True))
            for p, n in zip(prompts, lengths, strict=True)]
     shortest = ids[lengths.index(24)]
@@ -218,8 +221,10 @@ def test_where_every_sequence_is_held_at_a_batch_size_never_drafted_at_the_draft
         for out in engine.step():
             outputs[out.request_id] = out.token_ids
         if len(engine.running) == 3:
-            assert engine.deferral.held == set(ids) - {shortest}
+            assert engine.deferral.held == set(ids) - ({shortest} if len(rounds) > policy.wait else set())
     assert 3 in policy.measured and {s for r in rounds for s in r} == {shortest}
+    assert policy.asked[0] == len(prompts[ids.index(shortest)])  # what the draft would read: the prompt
+    assert not any(rounds[:policy.wait])
     assert [outputs[i] for i in ids] == [p.token_ids for p in plain]
 
 

@@ -259,21 +259,36 @@ def test_it_would_draft_for_a_sequence_alone_until_measured_and_then_as_its_own_
     assert policy.would_draft(rows(4))  # drafting leads at 4 once it pays there
 
 
-def test_a_batch_size_where_drafting_was_never_measured_is_unexplored_until_a_drafting_round_there():
-    """``unexplored``: no drafting round measured at these rows' batch size (``engine.deferral`` then gives
-    the draft one sequence, so a probe can measure it); plain rounds there do not count, other sizes neither."""
-    under_load = lambda batch, k: 0.020 + 0.004 * batch * (1 + k) + (0.010 + 0.006 * k if k else 0.0)  # noqa: E731
-    rows = lambda n: [Row(f"s{i}", MAX_K, "draft") for i in range(n)]  # noqa: E731
+def one_round(policy: RealizedPolicy, batch: int, k: int, seconds: float) -> None:
+    """A round of ``batch`` rows at arm k, every draft accepted, ``seconds`` result to result."""
+    ids = tuple(f"s{i}" for i in range(batch))
+    policy.observe(VerifyResult(ids, torch.full((batch,), k), torch.full((batch,), k), torch.full((batch, k + 1), 7)))
+    tokens = batch * (1 + k)
+    policy.record_costs(RoundCosts(tokens, seconds * 0.9, {"draft": (k, 0.002 * k)} if k else {}, 0.0, batch,
+                                   seconds, tokens, k))
+
+
+def test_a_batch_size_never_drafted_at_is_worth_a_hand_over_once_its_cost_is_a_small_share_of_the_time_there():
+    """``explore_pays``: no drafting round measured at these rows' batch size, and the draft's reading of the
+    handed-over sequence (the model's catch-up line) within ``EXPLORE_SHARE`` of the time rounds there took
+    (``engine.deferral`` then gives the draft one sequence, so a probe can measure drafting there)."""
+    rows = lambda n, cap=MAX_K: [Row(f"s{i}", cap, "draft") for i in range(n)]  # noqa: E731
     policy = fresh()
-    assert policy.unexplored(rows(4)) and policy.unexplored(rows(1))
-    assert not policy.unexplored([Row("s0", 0, "draft"), Row("s1", 0, "draft")])  # nothing may draft
-    assert not FixedPolicy().unexplored(rows(4)) and not BlockSizePolicy(MAX_K).unexplored(rows(4))
-    arms: list[int] = []
-    while not any(arms):  # plain rounds first (``test_at_a_batch_size_new_to_it_plain_decoding_is_measured_first``)
-        assert policy.unexplored(rows(4)) and len(arms) < 3 * EXPLORE_EVERY
-        arms += [arm for arm, _, _ in play(policy, 1, 4, lambda t: 0.6, under_load, seen_step=0.006)]
-    assert arms[0] == 0 and not policy.unexplored(rows(4)) and not policy.unexplored(rows(3))
-    assert policy.unexplored(rows(8))  # another batch size
+    assert not policy.explore_pays(rows(4), read=100)  # no time at 4 yet
+    read_s = policy.model.catch_up(100)
+    plain_s = 0.05
+    needed = read_s / EXPLORE_SHARE / plain_s  # plain rounds at 4 before a hand-over of 100 tokens pays
+    for _ in range(int(needed * 0.9)):
+        one_round(policy, 4, 0, plain_s)
+    assert not policy.explore_pays(rows(4), read=100) and policy.explore_pays(rows(4), read=50)
+    for _ in range(int(needed * 0.2)):
+        one_round(policy, 4, 0, plain_s)
+    assert policy.explore_pays(rows(4), read=100) and policy.explore_pays(rows(3), read=100)  # the same bucket
+    assert not policy.explore_pays(rows(4, cap=0), read=100)  # nothing may draft
+    assert not policy.explore_pays(rows(8), read=1)  # no time at 8
+    assert not FixedPolicy().explore_pays(rows(4), 1) and not BlockSizePolicy(MAX_K).explore_pays(rows(4), 1)
+    one_round(policy, 4, 2, 0.08)  # drafting measured at 4: nothing left to explore there
+    assert not policy.explore_pays(rows(4), read=1)
 
 
 def test_a_hand_over_is_played_only_when_drafting_is_predicted_to_gain_more_than_the_catch_up_costs():

@@ -61,9 +61,9 @@ class BlockSizer:
         remaining = sum(max(0, r.params.max_tokens - len(r.output_ids)) for r in requests)
         return self.policy.hand_over_pays(rows(requests, caps), remaining, read)
 
-    def unexplored(self, requests: Sequence[Request], bounds: Sequence[int]) -> bool:
-        """``KPolicy.unexplored`` for these requests."""
-        return self.policy.unexplored(rows(requests, self.caps(requests, bounds)))
+    def explore_pays(self, requests: Sequence[Request], bounds: Sequence[int], read: int) -> bool:
+        """``KPolicy.explore_pays`` for these requests."""
+        return self.policy.explore_pays(rows(requests, self.caps(requests, bounds)), read)
 
     def choose(self, requests: Sequence[Request], bounds: Sequence[int], pipelined: bool = False) -> list[int]:
         """This round's k for each request, within ``bounds`` (the engine's hard bounds per request)."""

@@ -11,14 +11,15 @@ generate than the draft's reading of the held sequences' contexts costs (``KPoli
 the real pair at 4 streams a hand-over took 1.9 s where a round drafting takes 0.8, for one such round),
 every such sequence is handed over with its whole context so far, and drafts from the rounds after its
 prefill. Requests sent together are held together, though, and a held row never drafts, not even in a
-probe: at a batch size where the policy has never measured a drafting round (``KPolicy.unexplored``) and
-no sequence is with the draft, the draft takes the one with the shortest context, so the policy's
-probes measure drafting there instead of its model's guess standing for ever (one prefill of one
-sequence per batch size, once). An EAGLE head (``Proposer.reads_features``) takes a sequence at
-admission or later the same way, with the target's features of the context, which the target keeps
-until then (``Verifier.take_features``): served on the embedded model at 16 streams, where the policy
-plays plain, the head had taken every sequence at admission, so every prompt's and every plain round's
-features went to the replica and on to the head, and the head prefilled every prompt, for rounds that never drafted.
+probe: at a batch size where the policy has never measured a drafting round and no sequence is with the
+draft, the draft takes the one with the shortest context once that prefill's cost is within the policy's
+exploration share of the time served there (``KPolicy.explore_pays``), so its probes measure drafting
+there instead of its model's guess standing for ever (one prefill of one sequence per batch size, once).
+An EAGLE head (``Proposer.reads_features``) takes a sequence at admission or later the same way, with
+the target's features of the context, which the target keeps until then (``Verifier.take_features``):
+served on the embedded model at 16 streams, where the policy plays plain, the head had taken every
+sequence at admission, so every prompt's and every plain round's features went to the replica and on to
+the head, and the head prefilled every prompt, for rounds that never drafted.
 
 A decoder draft, and an EAGLE head (``Proposer.reads_late``), reads the tokens of a sequence it holds
 only when it next drafts for it: after a stretch of plain rounds, every token of the stretch at once (a
@@ -170,8 +171,8 @@ class Deferral:
         """The held sequences the next round's ``split`` hands over: every one, where the policy would draft
         for the batch and drafting is predicted to gain more than the draft's reading of them costs
         (``BlockSizer.hand_over_pays``); else one, the shortest context (the cheapest to read), where no
-        sequence of the batch is with a draft that can take it and the policy has never measured a round
-        drafting at the batch's size (``BlockSizer.unexplored``): requests sent together are held
+        sequence of the batch is with a draft that can take it and the policy would pay that reading to
+        measure drafting at the batch's size (``BlockSizer.explore_pays``): requests sent together are held
         together, and only a sequence a draft holds can show what drafting there realizes."""
         if not self.held:
             return []
@@ -180,10 +181,10 @@ class Deferral:
         if self.sizer.would_draft(batch, bounds) and self.sizer.hand_over_pays(
                 batch, bounds, sum(running[s].num_tokens for s in self.held)):
             return sorted(self.held)
-        with_draft = any(s not in self.held and self.proposers[r.method].can_add_later for s, r in running.items())
-        if with_draft or not self.sizer.unexplored(batch, bounds):
+        if any(s not in self.held and self.proposers[r.method].can_add_later for s, r in running.items()):
             return []
-        return [min(self.held, key=lambda s: (running[s].num_tokens, s))]
+        shortest = min(self.held, key=lambda s: (running[s].num_tokens, s))
+        return [shortest] if self.sizer.explore_pays(batch, bounds, running[shortest].num_tokens) else []
 
     def batch(self, running: Mapping[str, Request]) -> list[Request]:
         """The batch the draft decides for: the running requests and those about to join them (requests

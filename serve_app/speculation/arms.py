@@ -28,11 +28,13 @@ class ArmRounds:
         self.sums = {f: [0.0] * arms for f in self.FIELDS}
         self.rounds = 0
         self.drafting = 0  # rounds that drafted
+        self.elapsed = 0.0  # seconds of every round here that was timed (not decayed)
         self.played: dict[int, int] = {}  # each arm's last round (the bucket's clock when it was played)
 
     def add(self, arm: int, batch: int, tokens: int, gained: int, seconds: float | None, expected: float) -> None:
         self.rounds += 1
         self.drafting += arm > 0
+        self.elapsed += seconds or 0.0
         self.played[arm] = self.rounds
         for values in self.sums.values():
             values.extend([0.0] * (arm + 1 - len(values)))

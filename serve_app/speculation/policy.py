@@ -185,9 +185,9 @@ class KPolicy(Protocol):
         generate, more than a draft reading ``read`` tokens first costs (``engine.deferral``). A pure query."""
         ...
 
-    def unexplored(self, rows: Sequence[Row]) -> bool:
-        """Whether the policy has still to measure a drafting round at these rows' batch size (one of them
-        may draft): ``engine.deferral`` then has a draft hold one of them, so a probe can. A pure query."""
+    def explore_pays(self, rows: Sequence[Row], read: int) -> bool:
+        """Whether a draft should take one of these rows (reading ``read`` tokens first) only to measure
+        drafting at their batch size, which no row the draft holds can (``engine.deferral``). A pure query."""
         ...
 
     def observe(self, result: VerifyResult) -> None: ...
@@ -215,7 +215,7 @@ class FixedPolicy:
     def hand_over_pays(self, rows: Sequence[Row], remaining: int, read: int) -> bool:
         return True  # every row drafts its cap, whatever it costs
 
-    def unexplored(self, rows: Sequence[Row]) -> bool:
+    def explore_pays(self, rows: Sequence[Row], read: int) -> bool:
         return False  # it measures nothing to choose by
 
     def observe(self, result: VerifyResult) -> None:
@@ -325,7 +325,7 @@ class BlockSizePolicy:
         ks, rate, plain_rate = self.best(rows)
         return any(ks) and remaining * (1 / plain_rate - 1 / rate) > self.catch_up(read)
 
-    def unexplored(self, rows: Sequence[Row]) -> bool:
+    def explore_pays(self, rows: Sequence[Row], read: int) -> bool:
         return False  # its lines hold at every batch size; ``speculation.realized`` judges them by what rounds realize
 
     def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]:
