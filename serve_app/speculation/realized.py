@@ -136,11 +136,10 @@ class RealizedPolicy:
         exploring a batch size costs a bounded share of the time served at it. (Served on the real pair,
         one sequence taken at once at 4 and 16 streams, a fresh server's 4-request load gave its first
         tokens 0.8 s later than ``draft: none``'s, and its probes at 16 streams cost 0.89x, one run each.)"""
-        if not any(r.cap for r in rows) or not self.unexplored(rows):
-            return False
         calibration = self.realized.buckets.get(bucket(len(rows)))
-        elapsed = 0.0 if calibration is None else calibration.elapsed
-        return elapsed * EXPLORE_SHARE >= self.model.catch_up(read)
+        if calibration is None or not calibration.elapsed or not any(r.cap for r in rows) or not self.unexplored(rows):
+            return False
+        return calibration.elapsed * EXPLORE_SHARE >= self.model.catch_up(read)
 
     def plain_measured(self, batch: int) -> bool:
         """Whether a plain round was measured at this batch's bucket: the bar every arm there is judged
