@@ -148,6 +148,7 @@ def test_a_request_admitted_alone_goes_to_the_draft_at_once(tiny_models):
     engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=2)
     engine.policy = DraftsAlone()
     engine.add_request(engine.tokenizer.encode(PROMPTS[0]), GenerationParams(max_tokens=8, ignore_eos=True))
+    engine.step()  # its prompt, and its first token
     engine.step()
     assert not engine.deferral.held and engine.last_costs.k == 3
 
@@ -223,7 +224,8 @@ def test_where_every_sequence_is_held_at_a_batch_size_never_drafted_at_the_draft
         if len(engine.running) == 3:
             assert engine.deferral.held == set(ids) - ({shortest} if len(rounds) > policy.wait else set())
     assert 3 in policy.measured and {s for r in rounds for s in r} == {shortest}
-    assert policy.asked[0] == len(prompts[ids.index(shortest)])  # what the draft would read: the prompt
+    assert policy.asked[0] == len(prompts[ids.index(shortest)]) + 1  # what the draft would read: the prompt and
+    # the first token (the prefill's)
     assert not any(rounds[:policy.wait])
     assert [outputs[i] for i in ids] == [p.token_ids for p in plain]
 
@@ -265,7 +267,8 @@ def test_a_draft_that_will_draft_takes_the_prompt_before_the_targets_prefill_and
     engine.proposers["draft"].prefills_aside = True  # as a remote draft on cores of its own
     calls = recorded_calls(engine)
     prompt = engine.tokenizer.encode(PROMPTS[0])
-    engine.add_request(prompt, GenerationParams(max_tokens=4, ignore_eos=True))
+    engine.add_request(prompt, GenerationParams(max_tokens=5, ignore_eos=True))
+    engine.step()  # its prompt, and its first token
     engine.step()
     assert calls[:2] == ["draft add", "target add"]  # the draft's prefill runs beside the target's
     assert engine.last_costs.k == 3 and not engine.deferral.early
@@ -291,7 +294,8 @@ def test_a_draft_prefilling_on_the_targets_cores_takes_the_prompt_after_the_targ
     engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=2)
     assert not engine.proposers["draft"].prefills_aside
     calls = recorded_calls(engine)
-    engine.add_request(engine.tokenizer.encode(PROMPTS[0]), GenerationParams(max_tokens=4, ignore_eos=True))
+    engine.add_request(engine.tokenizer.encode(PROMPTS[0]), GenerationParams(max_tokens=5, ignore_eos=True))
+    engine.step()  # its prompt, and its first token
     engine.step()
     assert calls[:2] == ["target add", "draft add"] and engine.last_costs.k == 3
 
@@ -341,7 +345,7 @@ def test_a_probe_during_a_plain_stretch_drafts_with_one_sequence_so_one_draft_ca
     ids = [engine.add_request(p, GenerationParams(max_tokens=30, ignore_eos=True)) for p in prompts]
     outputs: dict[str, list[int]] = {}
     rounds = drafting_rows(engine)
-    for _ in range(2):
+    for _ in range(3):  # each prompt's step (its first token), then a round
         for out in engine.step():
             outputs[out.request_id] = out.token_ids
     assert set(rounds[-1]) == set(ids) and not engine.deferral.held  # both on the draft, drafting

@@ -173,12 +173,12 @@ def test_features_stay_on_the_target_until_a_head_takes_the_sequence_then_travel
     (the prompt's, then each round's kept positions: what a prefill of the context gives), then each round's."""
     runner = ModelRunner(tiny_models["llama"], RunnerConfig())
     verifier = TargetVerifier(runner, features=True)
-    verifier.add_sequence("s", [5, 6, 7, 8], SamplingParams(), prefill=2)
-    verifier.continue_prefill("s")
+    assert verifier.add_sequence("s", [5, 6, 7, 8], SamplingParams(), prefill=2) is None  # half the prompt
+    first = verifier.continue_prefill("s")  # the rest: the first token, from the prompt's last logits
     kept = verifier.verify(ProposalBlock.make_dummy(["s"], [[9, 10]]))
     assert kept.features is None  # no head holds it yet
     taken = verifier.take_features(["s"])[0]
-    context = [5, 6, 7, 8, *kept.new_tokens(0)]
+    context = [5, 6, 7, 8, first, *kept.new_tokens(0)]
     assert taken.shape == (len(context) - 1, 64) and taken.dtype == torch.float16
     oracle = ModelRunner(tiny_models["llama"], RunnerConfig())
     oracle.add("x")

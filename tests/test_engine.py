@@ -71,9 +71,9 @@ def test_draft_identical_to_target_accepts_everything(tiny_models):
     for out in outs:
         assert len(out.token_ids) == 33
         assert out.stats.acceptance_rate == 1.0
-        # 33 tokens = 6 full rounds of 5 (4 accepted + bonus) + a last round capped to 3
+        # 33 tokens = the prefill's first + 6 full rounds of 5 (4 accepted + bonus) + a last round capped to 2
         assert out.stats.target_forward_passes == 1 + 7
-        assert sum(out.stats.accepted_per_position) == out.stats.num_accepted_tokens == 32 - 6
+        assert sum(out.stats.accepted_per_position) == out.stats.num_accepted_tokens == 6 * 4 + 1
 
 
 def test_unsure_drafts_stop_early_and_lose_nothing(tiny_models):
@@ -126,8 +126,8 @@ def test_stats_are_consistent(tiny_models):
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     for out in engine.generate(prompts, GenerationParams(max_tokens=30, ignore_eos=True)):
         s = out.stats
-        rounds = s.target_forward_passes - 1
-        assert len(out.token_ids) == 30 == rounds + s.num_accepted_tokens
+        rounds = s.target_forward_passes - 1  # the prefill gave the first token
+        assert len(out.token_ids) == 30 == 1 + rounds + s.num_accepted_tokens
         assert s.num_accepted_tokens <= s.num_draft_tokens
         assert sum(s.accepted_per_position) == s.num_accepted_tokens
         assert s.accepted_per_position == sorted(s.accepted_per_position, reverse=True)
@@ -328,8 +328,8 @@ def test_plain_rounds_sent_ahead_lose_nothing(tiny_models):
     # an abort while a round is in flight: the request's row of that round is dropped
     a = engine.add_request(ids[1], GenerationParams(max_tokens=30, method="none"))
     b = engine.add_request(ids[2], GenerationParams(max_tokens=30, method="none"))
-    engine.step()
-    engine.step()
+    for _ in range(3):  # each prompt's step (its first token), then a round that sends the next ones ahead
+        engine.step()
     assert isinstance(engine.pipeline, PlainPipeline) and engine.pipeline
     engine.abort(a)
     outs = []
@@ -381,6 +381,42 @@ def test_chunked_prefill_bounds_each_step_and_loses_nothing(tiny_models, tiny_ea
     assert chunked.verifier.free_slots == 4
 
 
+@pytest.mark.parametrize("draft", ["qwen3_near", "ngram"])
+def test_the_first_token_comes_from_the_prompts_prefill_before_any_round(tiny_models, draft):
+    """The target scores the prompt's last token in its prefill (as vLLM does): a request's first token
+    is out in the step that caches its prompt, before any round or draft, and the output stays the target's."""
+    target = tiny_models["qwen3"]
+    engine = engine_for(target, draft=tiny_models.get(draft, draft), k=3)
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    expected = hf_greedy(target, prompt, 10)
+    request_id = engine.add_request(prompt, GenerationParams(max_tokens=10, ignore_eos=True))
+    first = engine.step()
+    assert [(o.request_id, o.token_ids) for o in first] == [(request_id, expected[:1])]
+    assert engine.stats.target_forward_passes == 0  # no round yet: the prefill scored it
+    assert engine.verifier.runner.length(request_id) == len(prompt)  # the whole prompt cached
+    rest = {}
+    while engine.has_work:
+        rest.update({o.request_id: o for o in engine.step() if o.finished})
+    assert rest[request_id].token_ids == expected
+    one = engine.generate([prompt], GenerationParams(max_tokens=1, ignore_eos=True))[0]
+    assert one.token_ids == expected[:1] and one.finish_reason == "length" and one.stats.num_drafts == 0
+    assert engine.verifier.free_slots == 4
+
+
+def test_requests_sent_together_each_get_their_first_token_when_their_own_prompt_is_cached(tiny_models):
+    """Whole-prompt admission caches one prompt a step and hands its first token out at once: the
+    second request's first token does not wait for the third's prefill, nor for a round."""
+    engine = engine_for(tiny_models["llama"], k=2)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:3]]
+    params = GenerationParams(max_tokens=6, ignore_eos=True, num_speculative_tokens=0)
+    ids = [engine.add_request(p, params) for p in prompts]
+    for n, request_id in enumerate(ids):
+        out = engine.step()
+        assert [(o.request_id, len(o.token_ids)) for o in out] == [(request_id, 1)]
+        assert len(engine.running) == n + 1 and len(engine.waiting) == 2 - n
+    assert {o.request_id: len(o.token_ids) for o in engine.step()} == dict.fromkeys(ids, 2)  # then a round
+
+
 def test_aborting_a_request_while_its_prompt_is_cached_frees_its_slot(tiny_models):
     engine = engine_for(tiny_models["qwen3"], k=2, prefill_chunk_tokens=3)
     ids = engine.tokenizer.encode(" ".join(PROMPTS))
@@ -426,7 +462,7 @@ def test_sampling_stays_exact_when_k_follows_each_sequences_acceptance(tiny_mode
     engine.policy.record_costs = lambda costs: None
     ids = engine.tokenizer.encode(PROMPTS[1])
     n = 1500
-    outs = engine.generate([ids] * n, [GenerationParams(max_tokens=4, ignore_eos=True,
+    outs = engine.generate([ids] * n, [GenerationParams(max_tokens=5, ignore_eos=True,
                                                          sampling=SamplingParams(temperature=1.0, top_k=3, seed=None))
                                         for _ in range(n)])
     counts = Counter(o.token_ids[1] for o in outs)

@@ -221,9 +221,9 @@ def test_greedy_speculation_through_the_neuron_runners_equals_plain_torch_decodi
 
 def test_prompts_longer_than_the_prefill_graph_are_refused_up_front(tmp_path, tiny_models, fake_nxdi):
     engine = neuron_engine(tmp_path, tiny_models["qwen3"], tiny_models["qwen3_near"], k=4)  # max_context_length 64
-    with pytest.raises(RequestError, match="65 tokens the compiled prefill graph takes"):
-        engine.add_request(list(range(10, 76)), GenerationParams(max_tokens=4))
-    out = engine.generate([list(range(10, 75))], GenerationParams(max_tokens=4))[0]  # 65 tokens fit
+    with pytest.raises(RequestError, match="64 tokens the compiled prefill graph takes"):
+        engine.add_request(list(range(10, 75)), GenerationParams(max_tokens=4))
+    out = engine.generate([list(range(10, 74))], GenerationParams(max_tokens=4))[0]  # 64 tokens fit
     assert len(out.token_ids) == 4
 
 

@@ -51,7 +51,7 @@ def test_a_neuron_plan_carries_each_roles_compiled_shape_and_the_prompt_limit(ti
     assert plan.target.runner.neuron.role == "target" and plan.target.runner.neuron.tp_degree == 4
     assert plan.target.runner.neuron.speculation_length == 5  # k + 1
     assert plan.draft.runner.neuron.role == "draft" and plan.draft.runner.neuron.tp_degree == 2
-    assert plan.max_prompt_len == 65  # the prefill graph caches all prompt tokens but the last
+    assert plan.max_prompt_len == 64  # the prefill graph caches every prompt token
 
 
 def test_the_vllm_kind_gets_hub_ids_and_folders_as_they_are(tiny_models):

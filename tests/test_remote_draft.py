@@ -38,11 +38,11 @@ def test_admission_does_not_wait_for_the_draft_and_drafting_starts_once_it_is_in
     local = DraftWorker(str(tiny_models["qwen3_near"]), CONFIG, 8, 512, "CPU", 1)
     draft = remote_draft(SlowAddDraft, tiny_models)
     assert draft.prefills_aside  # one thread of two cores: its prefill leaves the target a core
-    target.add_sequence("a", PROMPT, SamplingParams())
-    local.add_sequence("a", PROMPT, SamplingParams())
+    context = [*PROMPT, target.add_sequence("a", PROMPT, SamplingParams())]  # and the prefill's first token
+    local.add_sequence("a", context, SamplingParams())
 
     start = time.perf_counter()
-    draft.add_sequence("a", PROMPT, SamplingParams())
+    draft.add_sequence("a", context, SamplingParams())
     assert time.perf_counter() - start < SLOW_ADD_S / 2  # the prefill runs on the draft's core, not the replica's
 
     # Until the draft holds the sequence, its rounds are plain: nothing waits on the prefill.
@@ -100,8 +100,8 @@ def test_a_failed_admission_leaves_the_sequence_to_plain_decoding_and_restarts_t
 def test_plain_stretches_hand_outcomes_to_the_draft_as_they_come(cluster, tiny_models):
     target = TargetWorker(str(tiny_models["qwen3"]), CONFIG, "CPU", num_threads=1)
     draft = remote_draft(DraftWorker, tiny_models)
-    target.add_sequence("a", PROMPT, SamplingParams())
-    draft.add_sequence("a", PROMPT, SamplingParams())
+    context = [*PROMPT, target.add_sequence("a", PROMPT, SamplingParams())]  # and the prefill's first token
+    draft.add_sequence("a", context, SamplingParams())
     rounds = 3 * PENDING_FLUSH + 1
     for _ in range(rounds):  # plain rounds: the draft is never asked to draft
         block = draft.propose(["a"], [0])
@@ -109,6 +109,6 @@ def test_plain_stretches_hand_outcomes_to_the_draft_as_they_come(cluster, tiny_m
         draft.observe(result)
         assert len(draft.pending) < PENDING_FLUSH
     seen = ray.get(draft.actor.__ray_call__.remote(lambda worker: len(worker.proposer.history.tokens["a"])))
-    assert seen == len(PROMPT) + rounds - len(draft.pending)
+    assert seen == len(context) + rounds - len(draft.pending)
     block = draft.propose(["a"], [2])  # and it drafts from all of them at once
     assert block.num_draft_tokens.tolist() == [2]

@@ -27,9 +27,9 @@ def test_the_workers_run_rounds_as_the_replica_drives_them(tiny_models):
     target = TargetWorker(str(tiny_models["qwen3"]), config, "CPU", num_threads=1)
     draft = DraftWorker(str(tiny_models["qwen3_near"]), config, 8, target.verifier.runner.vocab_size, "CPU", 1)
     assert isinstance(target, WorkerBase) and isinstance(draft, WorkerBase)
-    target.add_sequence("a", PROMPT, SamplingParams())
-    draft.add_sequence("a", PROMPT, SamplingParams())
-    tokens, previous = [], ()
+    first = target.add_sequence("a", PROMPT, SamplingParams())  # the first token, from the prompt's prefill
+    draft.add_sequence("a", [*PROMPT, first], SamplingParams())
+    tokens, previous = [first], ()
     while len(tokens) < 24:
         block = draft.propose((previous, ("a",), (3,)))
         result = target.verify(block)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from serve_app.config import SpeculationMethod
+from serve_app.engine.request import Request
 from serve_app.speculation.proposers.base import Drafted, Proposer
 from serve_app.speculation.types import PAD_TOKEN, ProposalBlock, VerifyResult
 from serve_app.speculation.verifier import Verifier
@@ -38,6 +39,19 @@ class DraftAhead:
     @property
     def enabled(self) -> bool:
         return bool(self.proposers)
+
+    def rows(self, block: ProposalBlock, running: Mapping[str, Request], bound: Callable[[Request, int], int]
+             ) -> list[AheadRow]:
+        """(seq_id, method, k of its next block) of each drafting row of ``block``, to draft ahead: within
+        the request's cap and ``bound(request, tokens it gains first)``, the engine's hard bounds."""
+        if not self.enabled:
+            return []
+        rows = []
+        for seq_id, k in zip(block.seq_ids, block.num_draft_tokens.tolist(), strict=True):
+            if k:
+                req = running[seq_id]
+                rows.append((seq_id, req.method, min(k, req.num_speculative_tokens, bound(req, k + 1))))
+        return rows
 
     def verify(self, verifier: Verifier, block: ProposalBlock, rows: Iterable[AheadRow]
                ) -> tuple[VerifyResult, list[Drafted]]:

@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerBase
 
 from serve_app.config import SpeculationMethod
 from serve_app.engine.admission import Admission
-from serve_app.engine.ahead import AheadRow, DraftAhead
+from serve_app.engine.ahead import DraftAhead
 from serve_app.engine.block_sizer import BlockSizer
 from serve_app.engine.deferral import Deferral
 from serve_app.engine.pipeline import PlainPipeline
@@ -104,7 +104,7 @@ class Engine:
             raise RequestError("max_tokens must be at least 1", "max_tokens")
         if self.max_prompt_len is not None and len(prompt_ids) > self.max_prompt_len:
             raise RequestError(f"the prompt ({len(prompt_ids)} tokens) exceeds the {self.max_prompt_len} tokens "
-                               "the compiled prefill graph takes (engine.neuron.max_context_length + 1)", "prompt")
+                               "the compiled prefill graph takes (engine.neuron.max_context_length)", "prompt")
         if len(prompt_ids) + params.max_tokens > self.max_seq_len:
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
@@ -170,8 +170,8 @@ class Engine:
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Admit what fits, run one speculation round; return an output for every running request."""
-        overhead, admitted = None, False
+        """Admit what fits, run one round; outputs of every running request (a whole prompt cached: its first, now)."""
+        overhead, admitted, first = None, False, list[RequestOutput]()
         ahead_blocks: list[Drafted] = []
         if self.pipeline:  # a plain round sent ahead by an earlier step
             wait, start = self.pipeline.pop()
@@ -179,14 +179,15 @@ class Engine:
             verify_start = self.timer.verify_start(start)
         else:
             overhead = self.timer.overhead()  # the engine's and its caller's work since the last round
-            admitted = self._admit()
-            if not self.running:
-                self.timer.reset()
-                return []
+            admitted, first = self._admit()
+            if first and self.admission.prefill_chunk is None or not self.running:
+                self.timer.reset()  # first tokens out now, from the prefills; a round next step
+                return first
             start = time.perf_counter()
             block = self._propose(list(self.running.values()))
             verify_start = time.perf_counter()
-            result, ahead_blocks = self.ahead.verify(self.verifier, block, self._ahead_rows(block))
+            rows = self.ahead.rows(block, self.running, self._bound)  # to draft ahead (``overlap``)
+            result, ahead_blocks = self.ahead.verify(self.verifier, block, rows)
         for proposer in self.proposers.values():
             proposer.observe(result)
         disturbed = admitted or any(p.busy for p in self.proposers.values())  # beside a prefill: not what a round costs
@@ -199,44 +200,44 @@ class Engine:
             self.pipeline.fill(self.verifier, result, self.running, self.eos_ids, lambda reqs, gained: any(
                 self._block_sizes(reqs, gained)) or self.deferral.releasing(self.running))
 
-        outputs = []
         for i, seq_id in enumerate(result.seq_ids):
-            req = self.running.get(seq_id)
-            if req is None:
-                continue  # aborted, or ended in a round already processed (see engine.pipeline)
-            drafted, accepted = int(result.num_draft_tokens[i]), int(result.num_accepted[i])
-            req.stats.record_round(drafted, accepted)
-            self.stats.record_round(drafted, accepted)
-            req.append(result.new_tokens(i), self.eos_ids, self.tokenizer)
-            if req.finish_reason is not None:
-                del self.running[seq_id]
-                self._release(req)
-            outputs.append(req.take_output())
+            if (req := self.running.get(seq_id)) is not None:  # else aborted or ended (see engine.pipeline)
+                drafted, accepted = int(result.num_draft_tokens[i]), int(result.num_accepted[i])
+                req.stats.record_round(drafted, accepted)
+                self.stats.record_round(drafted, accepted)
+        outputs = [*first, *self._append(result)]
         if ahead_blocks:
             self.ahead.finish(ahead_blocks, result, self.running)
         return outputs
 
-    def _ahead_rows(self, block: ProposalBlock) -> list[AheadRow]:
-        """(seq_id, method, k of its next block) of each drafting row, to draft ahead with ``overlap``."""
-        if not self.ahead.enabled:
-            return []
-        rows = []
-        for seq_id, k in zip(block.seq_ids, block.num_draft_tokens.tolist(), strict=True):
-            if k:
-                req = self.running[seq_id]
-                rows.append((seq_id, req.method, min(k, req.num_speculative_tokens, self._bound(req, k + 1))))
-        return rows
+    def _append(self, result: VerifyResult) -> list[RequestOutput]:
+        """Each running request's new tokens (a round's, or the first, from the prefill), stops checked."""
+        outputs = []
+        for i, seq_id in enumerate(result.seq_ids):
+            if (req := self.running.get(seq_id)) is not None:
+                req.append(result.new_tokens(i), self.eos_ids, self.tokenizer)
+                if req.finish_reason is not None:
+                    del self.running[seq_id]
+                    self._release(req)
+                outputs.append(req.take_output())
+        return outputs
 
-    def _admit(self) -> bool:
-        """Admission's step (``engine.admission``); a request whose prompt is cached enters the round, and
-        its proposer as ``engine.deferral`` decides. Returns whether anything was admitted or cached."""
+    def _admit(self) -> tuple[bool, list[RequestOutput]]:
+        """Admission's step (``engine.admission``); a request whose prompt is cached takes its first token
+        (the prefill's), then enters the round, and its proposer as ``engine.deferral`` decides. Returns
+        whether anything was admitted or cached, and the outputs of those first tokens."""
         joining = self.deferral.joining()  # what this step admits, at most
         batch = [*self.running.values(), *self.prefilling, *joining]
-        admitted, ready = self.admission.step(self.verifier, lambda req: self.deferral.start(req, batch))
-        for req in ready:
-            self.running[req.request_id] = req
-        self.deferral.admit(ready, self.running)
-        return admitted
+        admitted, ready, tokens = self.admission.step(self.verifier, lambda req: self.deferral.start(req, batch))
+        if not ready:
+            return admitted, []
+        self.running.update((req.request_id, req) for req in ready)
+        first = VerifyResult.plain([req.request_id for req in ready], tokens)
+        for proposer in self.proposers.values():
+            proposer.observe(first)  # one that took a request at ``deferral.start`` reads its first token
+        outputs = self._append(first)
+        self.deferral.admit([req for req in ready if req.request_id in self.running], self.running)
+        return admitted, outputs
 
     def _propose(self, requests: Sequence[Request]) -> ProposalBlock:
         blocks = self.ahead.take(r.request_id for r in requests)

@@ -92,7 +92,7 @@ def plan_engine(config: EngineConfig, target_cores: int = 1, draft_cores: int = 
     the target (failing here, naming what differs) and say how each runs."""
     target_path = resolve(config.model, cache_dir(config))
     target = ModelPlan(config.model, target_path, runner_config(config, "target", target_cores))
-    limit = config.neuron_context_length + 1 if config.backend == "neuron" else None  # all prompt tokens but one
+    limit = config.neuron_context_length if config.backend == "neuron" else None  # its prefill graph, whole prompts
     spec = config.speculation
     if spec.method != "draft":
         return EnginePlan(config, target, None, max_prompt_len=limit)

@@ -132,16 +132,21 @@ class ModelRunner(SequenceSlots):
         """``forward``'s logits and the final-norm hidden states they came from (same rows), preceded
         by the ``taps`` as in ``prefill``."""
         hidden, lengths = self.hidden_states(seq_ids, tokens, features, taps)
-        width = self.hf_config.hidden_size
         if logits == "last":
             last = torch.tensor(lengths, device=hidden.device) - 1
             hidden = hidden[torch.arange(len(seq_ids), device=hidden.device), last]
         elif sum(lengths) < hidden.shape[0] * hidden.shape[1]:  # a ragged block: the head skips the padding
             device = hidden.device
             real = torch.arange(hidden.shape[1], device=device) < torch.tensor(lengths, device=device)[:, None]
-            out = self.model.lm_head(hidden[real][:, -width:]).float()
+            out = self.head(hidden[real])
             return out.new_zeros((*real.shape, out.shape[-1])).index_put_((real,), out), hidden
-        return self.model.lm_head(hidden[..., -width:]).float(), hidden
+        return self.head(hidden), hidden
+
+    @torch.inference_mode()
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of hidden states as ``prefill`` and ``forward_hidden`` return them (the taps' streams
+        first, the final-norm state in the last ``hidden_size`` columns)."""
+        return self.model.lm_head(hidden[..., -self.hf_config.hidden_size:]).float()
 
     @torch.inference_mode()
     def hidden_states(self, seq_ids: Sequence[str], tokens: Sequence[Sequence[int]],

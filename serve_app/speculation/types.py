@@ -136,6 +136,12 @@ class VerifyResult:
     def __reduce__(self):
         return _rebuild, (type(self), _to_wire(self))
 
+    @classmethod
+    def plain(cls, seq_ids: Sequence[str], tokens: Sequence[int]) -> VerifyResult:
+        """One token of the target's own per row and nothing drafted: the first tokens, from the prefills."""
+        zeros = torch.zeros(len(seq_ids), dtype=torch.long)
+        return cls(tuple(seq_ids), zeros, zeros.clone(), torch.tensor(list(tokens), dtype=torch.long).view(-1, 1))
+
     def new_tokens(self, i: int) -> list[int]:
         """Tokens row ``i`` gained this round: its accepted drafts plus the recovered or bonus token."""
         return list(self._new_tokens[i])

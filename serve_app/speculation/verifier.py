@@ -1,8 +1,9 @@
 """The target side of a speculation round: score a block in one forward pass and verify it.
 
 Owns the target runner and, per sequence, the one token the cache has not seen yet (the last token
-of the sequence). A round feeds ``[last, d_1..d_k]`` at the sequence's own positions, so the logits
-at column j give p for draft j+1 (and column k the bonus distribution). p never leaves this object;
+of the sequence; first the one drawn from the prefill's logits after the prompt). A round feeds
+``[last, d_1..d_k]`` at the sequence's own positions, so the logits at column j give p for draft j+1
+(and column k the bonus distribution). p never leaves this object;
 only a ``VerifyResult`` does. Rejected drafts are rolled back by a length change.
 
 With ``features=True`` (an EAGLE draft reads them) the target's final-norm hidden states travel
@@ -41,9 +42,14 @@ class Verifier(Protocol):
     def free_slots(self) -> int: ...
 
     def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                     prefill: int | None = None) -> None: ...
+                     prefill: int | None = None) -> int | None:
+        """Start a sequence and cache its prompt, all of it or its first ``prefill`` tokens. Returns the
+        first token, drawn from the logits after the prompt, once the whole prompt is cached."""
+        ...
 
-    def continue_prefill(self, seq_id: str, count: int | None = None) -> None: ...
+    def continue_prefill(self, seq_id: str, count: int | None = None) -> int | None:
+        """Cache the next ``count`` prompt tokens (None: the rest); the first token as ``add_sequence``."""
+        ...
 
     def take_features(self, seq_ids: Sequence[str]) -> list[torch.Tensor]:
         """The target's features of each sequence's tokens so far (but its last), for an EAGLE head taking it."""
@@ -81,35 +87,48 @@ class TargetVerifier(Verifier):
         return self.runner.free_slots
 
     def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                     prefill: int | None = None) -> None:
-        """Start a sequence and cache its prompt but the last token (the first round scores that one):
-        all of it, or only the first ``prefill`` tokens, the rest by ``continue_prefill`` (chunked
-        prefill). With features on, those of the prefilled positions (``[n, (len(taps) + 1) * hidden]``)
-        are kept for ``take_features``."""
+                     prefill: int | None = None) -> int | None:
+        """Start a sequence and cache its prompt: all of it, or only the first ``prefill`` tokens, the rest
+        by ``continue_prefill`` (chunked prefill). The forward that caches the prompt's last token scores
+        it, as vLLM's does: the first token comes from the prefill (returned), not from a round after it.
+        With features on, those of the prefilled positions (``[n, (len(taps) + 1) * hidden]``) are kept
+        for ``take_features``."""
         if not prompt_ids:
             raise ValueError("a sequence needs at least one prompt token")
         self.runner.add(seq_id)
         self.params[seq_id] = params
-        self.last_token[seq_id] = int(prompt_ids[-1])
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         self.generators[seq_id] = torch.Generator().manual_seed(seed)
-        self.unprefilled[seq_id] = list(prompt_ids[:-1])
+        self.unprefilled[seq_id] = list(prompt_ids)
         if self.feature_runner is not None:
             self.kept[seq_id] = []
-        self.continue_prefill(seq_id, prefill)
+        return self.continue_prefill(seq_id, prefill)
 
-    def continue_prefill(self, seq_id: str, count: int | None = None) -> None:
-        """Cache the next ``count`` prompt tokens not cached yet (None: all); their features kept when on."""
+    def continue_prefill(self, seq_id: str, count: int | None = None) -> int | None:
+        """Cache the next ``count`` prompt tokens not cached yet (None: all); their features kept when on.
+        Returns the first token once the last prompt token is cached (its logits drawn from)."""
         rest = self.unprefilled[seq_id]
         count = len(rest) if count is None else count
         chunk, self.unprefilled[seq_id] = rest[:count], rest[count:]
         if not chunk:
-            return
+            return None
+        last = not self.unprefilled[seq_id]
         runner = self.feature_runner
         if runner is None:
-            self.runner.prefill(seq_id, chunk)
+            if not last:
+                self.runner.prefill(seq_id, chunk)
+                return None
+            logits = self.runner.forward([seq_id], [chunk], logits="last")  # [1, vocab]: the prompt's last
         else:
-            self.kept[seq_id].append(runner.prefill(seq_id, chunk, taps=self.taps).to("cpu", FEATURE_DTYPE))
+            hidden = runner.prefill(seq_id, chunk, taps=self.taps)  # [T, (len(taps) + 1) * hidden]
+            self.kept[seq_id].append(hidden.to("cpu", FEATURE_DTYPE))
+            if not last:
+                return None
+            logits = runner.head(hidden[-1:])
+        empty = torch.zeros((1, 0), dtype=torch.long)
+        output, _ = self._accept([seq_id], empty, torch.zeros(1, dtype=torch.long), None, None, logits[:, None])
+        self.last_token[seq_id] = int(output[0, 0])
+        return self.last_token[seq_id]
 
     def take_features(self, seq_ids: Sequence[str]) -> list[torch.Tensor]:
         runner = self.feature_runner
@@ -122,7 +141,7 @@ class TargetVerifier(Verifier):
         if seq_id in self.params:
             self.runner.release(seq_id)
             for table in (self.params, self.last_token, self.generators, self.unprefilled):
-                del table[seq_id]
+                table.pop(seq_id, None)  # last_token: none until the prompt is cached
             self.kept.pop(seq_id, None)
 
     def verify(self, block: ProposalBlock) -> VerifyResult:
@@ -140,29 +159,7 @@ class TargetVerifier(Verifier):
         else:
             logits = self.runner.forward(seq_ids, feed, logits="all")  # [batch, k + 1, vocab]
 
-        output = torch.empty((len(seq_ids), k + 1), dtype=torch.long)
-        accepted = torch.empty(len(seq_ids), dtype=torch.long)
-        greedy = torch.tensor([self.params[s].greedy for s in seq_ids])
-        if greedy.any():
-            g = greedy.nonzero()[:, 0]
-            target_argmax = logits[g.to(logits.device)].argmax(-1).cpu()  # only ids leave the device
-            output[g], accepted[g] = greedy_verify(drafts[g], block.num_draft_tokens[g], target_argmax)
-        if not greedy.all():
-            s_rows = (~greedy).nonzero()[:, 0]
-            params = [self.params[seq_ids[i]] for i in s_rows.tolist()]
-            # Sampled rows bring their logits to the host, where each request's generator lives.
-            p = probabilities(logits[s_rows.to(logits.device)].cpu(), params)  # [rows, k + 1, vocab]
-            q_ids, q_probs = block.q_ids, block.q_probs
-            if q_ids is None or q_probs is None:  # no proposer drafted for a sampled row
-                if bool((block.num_draft_tokens[s_rows] > 0).any()):
-                    raise ValueError("a block with sampled draft tokens must carry q")
-                q_ids = torch.full((len(seq_ids), k, 1), PAD_TOKEN, dtype=torch.long)
-                q_probs = torch.zeros((len(seq_ids), k, 1))
-            output[s_rows], accepted[s_rows] = rejection_sample(
-                drafts[s_rows], block.num_draft_tokens[s_rows],
-                q_ids[s_rows, :k], q_probs[s_rows, :k], p,
-                [self.generators[seq_ids[i]] for i in s_rows.tolist()],
-            )
+        output, accepted = self._accept(seq_ids, drafts, block.num_draft_tokens, block.q_ids, block.q_probs, logits)
         for i, s in enumerate(seq_ids):
             n = int(accepted[i])
             # Cache keeps last + n accepted drafts; the new last token is not cached yet.
@@ -176,3 +173,33 @@ class TargetVerifier(Verifier):
             features = features[list(shipped)] if shipped else None
         return VerifyResult(seq_ids, block.num_draft_tokens.clone(), accepted, output, features,
                             shipped if features is not None else None)
+
+    def _accept(self, seq_ids: Sequence[str], drafts: torch.Tensor, num_drafts: torch.Tensor,
+                q_ids: torch.Tensor | None, q_probs: torch.Tensor | None, logits: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's accepted drafts and its own next token from ``logits`` ``[batch, k + 1, vocab]``:
+        (output ``[batch, k + 1]``, accepted ``[batch]``)."""
+        k = drafts.shape[1]
+        output = torch.empty((len(seq_ids), k + 1), dtype=torch.long)
+        accepted = torch.empty(len(seq_ids), dtype=torch.long)
+        greedy = torch.tensor([self.params[s].greedy for s in seq_ids])
+        if greedy.any():
+            g = greedy.nonzero()[:, 0]
+            target_argmax = logits[g.to(logits.device)].argmax(-1).cpu()  # only ids leave the device
+            output[g], accepted[g] = greedy_verify(drafts[g], num_drafts[g], target_argmax)
+        if not greedy.all():
+            s_rows = (~greedy).nonzero()[:, 0]
+            params = [self.params[seq_ids[i]] for i in s_rows.tolist()]
+            # Sampled rows bring their logits to the host, where each request's generator lives.
+            p = probabilities(logits[s_rows.to(logits.device)].cpu(), params)  # [rows, k + 1, vocab]
+            if q_ids is None or q_probs is None:  # no proposer drafted for a sampled row
+                if bool((num_drafts[s_rows] > 0).any()):
+                    raise ValueError("a block with sampled draft tokens must carry q")
+                q_ids = torch.full((len(seq_ids), k, 1), PAD_TOKEN, dtype=torch.long)
+                q_probs = torch.zeros((len(seq_ids), k, 1))
+            output[s_rows], accepted[s_rows] = rejection_sample(
+                drafts[s_rows], num_drafts[s_rows],
+                q_ids[s_rows, :k], q_probs[s_rows, :k], p,
+                [self.generators[seq_ids[i]] for i in s_rows.tolist()],
+            )
+        return output, accepted

@@ -71,13 +71,13 @@ class WorkerBase:
         return True
 
     def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                     features: torch.Tensor | None = None, **options: Any) -> None:
+                     features: torch.Tensor | None = None, **options: Any) -> int | None:
         """``features``: the target's over the context (an EAGLE draft reads them). ``options``: the
-        owner's own (the target's ``prefill`` count)."""
+        owner's own (the target's ``prefill`` count). Returns the owner's answer (the target's first token)."""
         with self.lock:
             self._threads_for(None)
             extra = () if features is None else (features,)
-            self.owner.add_sequence(seq_id, prompt_ids, params, *extra, **options)
+            return self.owner.add_sequence(seq_id, prompt_ids, params, *extra, **options)
 
     def remove_sequence(self, seq_id: str) -> None:
         with self.lock:

@@ -115,12 +115,14 @@ class RemoteVerifier(Verifier):
         return self.max_batch_size - len(self.active)
 
     def add_sequence(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                     prefill: int | None = None) -> None:
-        self._call(self.actor.add_sequence.remote(seq_id, list(prompt_ids), params, prefill=prefill), ROUND_TIMEOUT_S)
+                     prefill: int | None = None) -> int | None:
+        first = self._call(self.actor.add_sequence.remote(seq_id, list(prompt_ids), params, prefill=prefill),
+                           ROUND_TIMEOUT_S)
         self.active.add(seq_id)
+        return first
 
-    def continue_prefill(self, seq_id: str, count: int | None = None) -> None:
-        self._call(self.actor.continue_prefill.remote(seq_id, count), ROUND_TIMEOUT_S)
+    def continue_prefill(self, seq_id: str, count: int | None = None) -> int | None:
+        return self._call(self.actor.continue_prefill.remote(seq_id, count), ROUND_TIMEOUT_S)
 
     def take_features(self, seq_ids: Sequence[str]) -> list[torch.Tensor]:
         return self._call(self.actor.take_features.remote(list(seq_ids)), ROUND_TIMEOUT_S)

@@ -32,10 +32,10 @@ class TargetWorker(WorkerBase):
     def info(self) -> WorkerInfo:
         return self._info(self.verifier.runner.vocab_size)
 
-    def continue_prefill(self, seq_id: str, count: int | None = None) -> None:
+    def continue_prefill(self, seq_id: str, count: int | None = None) -> int | None:
         with self.lock:
             self._threads_for(None)
-            self.verifier.continue_prefill(seq_id, count)
+            return self.verifier.continue_prefill(seq_id, count)
 
     def take_features(self, seq_ids: Sequence[str]) -> list[torch.Tensor]:
         with self.lock:
