@@ -170,7 +170,7 @@ class Engine:
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Admit what fits, run one round; outputs of every running request (a whole prompt cached: its first, now)."""
+        """Admit what fits, run one round; an output per running request (a prompt cached whole: its first token)."""
         overhead, admitted, first = None, False, list[RequestOutput]()
         ahead_blocks: list[Drafted] = []
         if self.pipeline:  # a plain round sent ahead by an earlier step
