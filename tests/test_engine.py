@@ -56,7 +56,9 @@ def test_an_int8_draft_changes_acceptance_never_the_output(tiny_models):
     # batch-invariant kernel the speculative output is plain decoding's, token for token
     engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3"], k=4, dtype="bfloat16", draft_weights="int8")
     draft_linears = [m for m in engine.proposers["draft"].runner.model.modules() if isinstance(m, Avx2Linear)]
-    assert draft_linears and all(m.packed.dtype == torch.int8 for m in draft_linears)
+    # int8 weights with a scale per column (stored plus 128 as uint8 on the AVX-512 VNNI layout)
+    assert draft_linears and all(m.scale is not None and m.packed.dtype in (torch.int8, torch.uint8)
+                                 for m in draft_linears)
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     plain = engine.generate(prompts, GenerationParams(max_tokens=30, method="none", ignore_eos=True))
     spec = engine.generate(prompts, GenerationParams(max_tokens=30, ignore_eos=True))

@@ -9,11 +9,20 @@ import pytest
 import torch
 from torch import nn
 
-from serve_app.models.avx2_linear import Avx2Linear, avx512_bf16, cpu_has_avx2, extension, quantize_int8
+from serve_app.models.avx2_linear import (
+    QUAD_BLOCK,
+    Avx2Linear,
+    avx512_bf16,
+    avx512_vnni,
+    cpu_has_avx2,
+    extension,
+    quantize_int8,
+)
 from serve_app.models.base import RunnerConfig
 from serve_app.models.packed import (
     WIDE_FROM_ROWS,
     WIDE_FROM_ROWS_PAIRS,
+    WIDE_FROM_ROWS_QUADS,
     PackedLinear,
     linear_kernel,
     onednn_bf16,
@@ -25,6 +34,9 @@ needs_onednn = pytest.mark.skipif(not onednn_bf16(), reason="no oneDNN bfloat16 
 needs_avx2 = pytest.mark.skipif(not cpu_has_avx2(), reason="the AVX2 kernel needs an AVX2 + FMA CPU")
 # the bfloat16 weight layouts of our kernel this CPU runs: AVX2 FMAs everywhere, AVX-512 BF16 pairs where it can
 LAYOUTS = ["avx2", *(["pairs"] if cpu_has_avx2() and avx512_bf16() else [])]
+# and of int8 weights: AVX2 everywhere, AVX-512 VNNI quads (x quantized too) where it can
+INT8_LAYOUTS = ["avx2", *(["quads"] if cpu_has_avx2() and avx512_vnni() else [])]
+needs_vnni = pytest.mark.skipif(not (cpu_has_avx2() and avx512_vnni()), reason="the quads layout needs AVX-512 VNNI")
 
 
 @needs_onednn
@@ -64,11 +76,12 @@ def test_the_avx2_kernel_rounds_the_float32_sum_once(shape, bias, out_features, 
 
 
 @needs_avx2
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [*LAYOUTS, *(f"int8-{lay}" for lay in INT8_LAYOUTS)])
 def test_a_rows_result_does_not_depend_on_the_rows_it_is_batched_with(layout):
     torch.manual_seed(1)
-    linear = Avx2Linear(nn.Linear(700, 130, bias=True).to(torch.bfloat16), layout=layout)
-    x = torch.randn(23, 700, dtype=torch.bfloat16)
+    weights, layout = ("int8", layout[5:]) if layout.startswith("int8-") else ("bfloat16", layout)
+    linear = Avx2Linear(nn.Linear(704, 130, bias=True).to(torch.bfloat16), weights, layout=layout)
+    x = torch.randn(23, 704, dtype=torch.bfloat16)
     with torch.no_grad():
         together = linear(x)
         for rows in (1, 2, 5, 6, 7, 8, 13, 16, 20):  # panels split evenly: 16 rows as 6, 5, 5
@@ -76,19 +89,19 @@ def test_a_rows_result_does_not_depend_on_the_rows_it_is_batched_with(layout):
 
 
 @needs_avx2
-@pytest.mark.parametrize("layout", [*LAYOUTS, "int8"])
+@pytest.mark.parametrize("layout", [*LAYOUTS, *(f"int8-{lay}" for lay in INT8_LAYOUTS)])
 @pytest.mark.parametrize("out_features", [16, 200, 1030])
 def test_the_result_does_not_depend_on_how_many_threads_share_the_work(layout, out_features):
     # the blocks go to whichever thread is free (a thread the OS preempts holds up only the run it is on):
     # every block computed once, by one thread, in the same order of sums, whatever the thread count
     torch.manual_seed(2)
-    linear = nn.Linear(300, out_features, bias=True).to(torch.bfloat16)
-    int8 = layout == "int8"
-    kernel = Avx2Linear(linear, weights="int8" if int8 else "bfloat16", layout="avx2" if int8 else layout)
+    linear = nn.Linear(320, out_features, bias=True).to(torch.bfloat16)
+    weights, layout = ("int8", layout[5:]) if layout.startswith("int8-") else ("bfloat16", layout)
+    kernel = Avx2Linear(linear, weights, layout=layout)
     threads = torch.get_num_threads()
     try:
         for rows in (1, 5, 16):
-            x = torch.randn(rows, 300, dtype=torch.bfloat16)
+            x = torch.randn(rows, 320, dtype=torch.bfloat16)
             results = []
             for n in (1, 2, 3, 7):
                 torch.set_num_threads(n)
@@ -101,14 +114,52 @@ def test_the_result_does_not_depend_on_how_many_threads_share_the_work(layout, o
 
 
 @needs_avx2
-def test_bfloat16_weights_take_the_cpus_widest_layout_and_int8_the_avx2_one():
+def test_each_kind_of_weights_takes_the_cpus_widest_layout_for_it():
     # AVX-512 BF16 multiplies two bfloat16 pairs per float32 lane in one instruction: a block of a few
-    # rows costs about what one row does; int8 weights (a draft's) keep the AVX2 kernel everywhere
+    # rows costs about what one row does; AVX-512 VNNI four int8 pairs per int32 lane, where the AVX2
+    # path converts every int8 weight to float32 first (which, not memory, bounded a draft's step)
     linear = nn.Linear(64, 32).to(torch.bfloat16)
     assert Avx2Linear(linear).layout == LAYOUTS[-1]
-    assert Avx2Linear(linear, "int8").layout == "avx2"
-    with pytest.raises(ValueError, match="int8"):
+    assert Avx2Linear(linear, "int8").layout == INT8_LAYOUTS[-1]
+    assert Avx2Linear(nn.Linear(40, 32).to(torch.bfloat16), "int8").layout == "avx2"  # not whole blocks of 32
+    with pytest.raises(ValueError, match="pairs layout does not take int8"):
         Avx2Linear(linear, "int8", layout="pairs")
+    with pytest.raises(ValueError, match="quads layout does not take bfloat16"):
+        Avx2Linear(linear, layout="quads")
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the quads layout does to x: each row in blocks of 32, a block's largest magnitude over 127 its
+    scale, each value times 127 over that magnitude (float32) rounded to nearest even. (q [.., K], d [.., K / 32])"""
+    blocks = x.float().unflatten(-1, (-1, QUAD_BLOCK))
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (blocks * inv).round().flatten(-2), (amax / 127).squeeze(-1)
+
+
+@needs_vnni
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 64), (5, 320), (2, 9, 64), (7, 4864)])
+def test_int8_quads_compute_the_quantized_x_by_the_quantized_weight(shape, bias):
+    # x rounded to int8 in blocks of 32 (a draft's proposals only: the target verifies them), then every
+    # block's integer sum exact, scaled by its block's and its column's scales, in k order
+    torch.manual_seed(5)
+    linear = nn.Linear(shape[-1], 50, bias=bias).to(torch.bfloat16)
+    x = torch.randn(*shape, dtype=torch.bfloat16)
+    x[..., 3] *= 40  # an outlier: its block's values round coarser, the other blocks' do not
+    q, scale = quantize_int8(linear.weight)
+    xq, d = quantize_rows(x)
+    with torch.no_grad():
+        got = Avx2Linear(linear, "int8", layout="quads")(x)
+    sums = (xq.double().unflatten(-1, (-1, QUAD_BLOCK)).unsqueeze(-3)
+            * q.double().unflatten(-1, (-1, QUAD_BLOCK))).sum(-1)  # [..., N, K / 32], exact integers
+    exact = (sums * d.double().unsqueeze(-2)).sum(-1) * scale.double() \
+        + (0 if linear.bias is None else linear.bias.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (*shape[:-1], 50)
+    assert (got.double() - exact).abs().max() <= exact.abs().max() * 2**-8 + 1e-6
+    # and within int8 rounding of the same int8 weight on the AVX2 layout, which keeps x in bfloat16
+    avx2 = Avx2Linear(linear, "int8", layout="avx2")(x).double()
+    assert (got.double() - avx2).abs().max() <= 0.05 * avx2.abs().max()
 
 
 @needs_avx2
@@ -130,15 +181,19 @@ def test_int8_weights_compute_with_the_quantized_weight_and_each_rows_scale(shap
 
 @needs_onednn
 @needs_avx2
-def test_int8_weights_run_a_forward_of_many_rows_on_onednn_in_bfloat16():
+@pytest.mark.parametrize("in_features", [300, 320])
+def test_int8_weights_run_a_forward_of_many_rows_on_onednn_in_bfloat16(in_features):
     # a decode step (few rows) reads half the bytes on the int8 kernel; a prefill or a large batch is
-    # compute-bound there, and oneDNN's bfloat16 kernel runs it about twice as fast (models.packed)
+    # compute-bound there, and oneDNN's bfloat16 kernel runs it faster: from WIDE_FROM_ROWS rows on the AVX2
+    # layout, from WIDE_FROM_ROWS_QUADS on the VNNI one (whole blocks of 32 input features) (models.packed)
     torch.manual_seed(3)
-    linear = nn.Linear(300, 50, bias=True).to(torch.bfloat16)
+    linear = nn.Linear(in_features, 50, bias=True).to(torch.bfloat16)
     model = nn.Sequential(linear)
     assert pack_linears(model, "avx2", "int8") == 1
-    x = torch.randn(1, 2 * WIDE_FROM_ROWS, 300, dtype=torch.bfloat16)
-    few, many = x[:, :WIDE_FROM_ROWS - 1], x[:, :WIDE_FROM_ROWS]
+    wide = model[0].wide_from
+    assert wide == (WIDE_FROM_ROWS_QUADS if in_features % 32 == 0 and INT8_LAYOUTS[-1] == "quads" else WIDE_FROM_ROWS)
+    x = torch.randn(1, 2 * wide, in_features, dtype=torch.bfloat16)
+    few, many = x[:, :wide - 1], x[:, :wide]
     with torch.no_grad():
         assert torch.equal(model(few), Avx2Linear(linear, "int8")(few))
         assert torch.equal(model(many), PackedLinear(linear)(many))

@@ -269,6 +269,83 @@ struct PairTiles {  // [N / 32][K / 2][2][16][2]: the unit's two blocks side by 
   }
 };
 #pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+// The AVX-512 VNNI path for int8 weights: x quantized too, each row in blocks of QK values (a float32 scale a
+// block: its largest magnitude over 127, each value rounded to nearest even), so one vpdpbusd multiplies 4
+// int8 x by 4 int8 weights for each of 16 columns and adds them to int32 sums, where the AVX2 path spends
+// four conversions and two FMAs per 16 weights. vpdpbusd takes one operand unsigned: the weights are stored
+// plus 128 ([N / 16][K / 4][16][4] uint8), and a block's sum comes back less 128 times the block's x sum.
+// Integer sums are exact; each block's adds to the row's float32 sum in k order, so a row's result does not
+// depend on the rows batched with it, nor on which thread computes it.
+constexpr int64_t QK = 32;  // x values per quantization block (8 steps of 4)
+
+inline __m512 bf16x16_to_f32(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// Rows of x [M, K] (bfloat16) -> q [M, K] int8, scale d [M, K / QK], sum s [M, K / QK] of each block's q
+void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* s) {
+  const int64_t nb = K / QK;
+  for (int64_t i = 0; i < M * nb; ++i) {
+    const __m512 lo = bf16x16_to_f32(x + i * QK), hi = bf16x16_to_f32(x + i * QK + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * QK), _mm512_cvtsepi32_epi8(ql));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * QK + 16), _mm512_cvtsepi32_epi8(qh));
+    d[i] = amax / 127.f;
+    s[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+  }
+}
+
+// out[R][16] = sum over blocks of d * (q . w) for one block of 16 columns (w: its [K / 4][64] bytes)
+template <int R>
+void quad_tile(const int8_t* q, const float* d, const int32_t* s, int64_t K, const uint8_t* w, float* out) {
+  const int64_t nb = K / QK;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = w + b * QK * NB;  // 512 bytes: 8 steps of 4 k x 16 columns
+    for (int i = 0; i < 8; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + 4096 + 64 * i), _MM_HINT_T0);
+    __m512i wv[8];
+    for (int i = 0; i < 8; ++i) wv[i] = _mm512_loadu_si512(p + 64 * i);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xr = q + r * K + b * QK;
+      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();  // two chains, half the latency
+      for (int i = 0; i < 8; i += 2) {
+        int32_t x0, x1;
+        std::memcpy(&x0, xr + 4 * i, 4);
+        std::memcpy(&x1, xr + 4 * i + 4, 4);
+        even = _mm512_dpbusd_epi32(even, wv[i], _mm512_set1_epi32(x0));
+        odd = _mm512_dpbusd_epi32(odd, wv[i + 1], _mm512_set1_epi32(x1));
+      }
+      const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(even, odd), _mm512_set1_epi32(128 * s[r * nb + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d[r * nb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * NB, acc[r]);
+}
+
+void run_quad_tile(int64_t rows, const int8_t* q, const float* d, const int32_t* s, int64_t K, const uint8_t* w,
+                   float* out) {
+  switch (rows) {
+    case 1: quad_tile<1>(q, d, s, K, w, out); return;
+    case 2: quad_tile<2>(q, d, s, K, w, out); return;
+    case 3: quad_tile<3>(q, d, s, K, w, out); return;
+    case 4: quad_tile<4>(q, d, s, K, w, out); return;
+    case 5: quad_tile<5>(q, d, s, K, w, out); return;
+    default: quad_tile<6>(q, d, s, K, w, out); return;
+  }
+}
+
+bool cpu_has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+#pragma GCC pop_options
 }  // namespace
 
 // w [N, K] (bfloat16, or int8 quantized per output column) -> [ceil(N / 16), K, 16], the rows past N zero
@@ -389,10 +466,76 @@ torch::Tensor linear_pairs(torch::Tensor x, torch::Tensor packed, int64_t n_out,
   return rows.result();
 }
 
+bool has_avx512_vnni() {
+  static const bool has = cpu_has_vnni();
+  return has;
+}
+
+// int8 w [N, K] (K a multiple of 32) -> [ceil(N / 16), K / 4, 64] uint8, each weight plus 128; the columns past N
+// weigh 0 (128)
+torch::Tensor pack_quads(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.size(1) % QK == 0,
+              "pack_quads: a 2-D int8 weight with a multiple of ", QK, " input features");
+  const int64_t N = w.size(0), K = w.size(1), blocks = (N + NB - 1) / NB;
+  auto padded = at::full({blocks * NB, K}, 128, w.options().dtype(at::kByte));
+  padded.narrow(0, 0, N).copy_((w.to(at::kShort) + 128).to(at::kByte));
+  return padded.view({blocks, NB, K / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({blocks, K / 4, 4 * NB});
+}
+
+// y = (q(x) @ w^T) * scales + bias for a weight from ``pack_quads`` (a CPU with AVX-512 VNNI: ``has_avx512_vnni``):
+// x bfloat16 [..., K], quantized per row in blocks of 32; scales float32 [n_out]; bias bfloat16 [n_out] or none
+torch::Tensor linear_quads(torch::Tensor x, torch::Tensor packed, int64_t n_out, torch::Tensor scales,
+                           c10::optional<torch::Tensor> bias_opt) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
+              packed.size(2) == 4 * NB, "linear_quads: bfloat16 x, a weight from pack_quads");
+  TORCH_CHECK(has_avx512_vnni(), "linear_quads: this CPU has no AVX-512 VNNI");
+  const int64_t blocks = packed.size(0), K = 4 * packed.size(1);
+  TORCH_CHECK(x.size(-1) == K, "linear_quads: x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(blocks == (n_out + NB - 1) / NB, "linear_quads: the weight has ", NB * blocks,
+              " columns (padded), n_out is ", n_out);
+  Rows rows(x, K, n_out, bias_opt);
+  const int64_t M = rows.M, nb = K / QK;
+  if (M == 0) return rows.result();
+  const auto scale = scales.to(at::kFloat).contiguous();
+  std::vector<int8_t> q(M * K);
+  std::vector<float> d(M * nb);
+  std::vector<int32_t> s(M * nb);
+  quantize_rows(rows.xs(), M, K, q.data(), d.data(), s.data());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* bp = rows.bp();
+  uint16_t* yp = rows.yp();
+  share(blocks, std::max<int64_t>(1, blocks / (8 * at::get_num_threads())), [&](auto take) {
+    float out[MT * NB];
+    for (int64_t begin, end; take(begin, end);)
+      for (int64_t blk = begin; blk < end; ++blk) {
+        const int64_t col = blk * NB, width = std::min<int64_t>(NB, n_out - col);
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+          const int64_t R = std::min<int64_t>(MT, M - m0);
+          run_quad_tile(R, q.data() + m0 * K, d.data() + m0 * nb, s.data() + m0 * nb, K, wp + blk * K * NB, out);
+          for (int64_t r = 0; r < R; ++r) {
+            uint16_t y16[NB];
+            for (int64_t c = 0; c < width; ++c) {  // times the column's scale, plus bias, rounded to bfloat16
+              const float v = out[r * NB + c] * sp[col + c] + (bp ? bp[col + c] : 0.f);
+              uint32_t bits;
+              std::memcpy(&bits, &v, 4);
+              y16[c] = static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+            }
+            std::memcpy(yp + (m0 + r) * n_out + col, y16, width * sizeof(uint16_t));
+          }
+        }
+      }
+  });
+  return rows.result();
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack a bfloat16 or int8 weight [N, K] into [ceil(N / 16), K, 16]");
   m.def("linear", &linear, "y = (x @ w^T) * scales + b, bfloat16 x and y, float32 sums");
   m.def("pack_pairs", &pack_pairs, "pack a bfloat16 weight [N, K] into [ceil(N / 32), ceil(K / 2), 64]");
   m.def("linear_pairs", &linear_pairs, "y = x @ w^T + b for a weight from pack_pairs (AVX-512 BF16)");
   m.def("has_avx512_bf16", &has_avx512_bf16, "whether this CPU runs linear_pairs");
+  m.def("pack_quads", &pack_quads, "pack an int8 weight [N, K] into [ceil(N / 16), K / 4, 64] uint8 (plus 128)");
+  m.def("linear_quads", &linear_quads, "y = (q(x) @ w^T) * scales + b for a weight from pack_quads (AVX-512 VNNI)");
+  m.def("has_avx512_vnni", &has_avx512_vnni, "whether this CPU runs linear_quads");
 }
