@@ -21,8 +21,9 @@ sums do not depend on the rows batched together, so a block of fewer rows scores
 bits of its own decode step (oneDNN's vary with the row count; ``batch_invariant_rows``). The cost: both
 layouts of every weight in memory. int8 weights (a draft's) split the same way: the int8 kernel reads half
 the bytes of a decode step; on the AVX2 layout it is compute-bound from a few rows, where oneDNN's bfloat16
-runs about twice as fast; on the AVX-512 VNNI layout it stays ahead of oneDNN's bfloat16 to about
-``WIDE_FROM_ROWS_QUADS`` rows.
+runs about twice as fast. On the AVX-512 VNNI layout (x rounded to int8 too) it is ahead of oneDNN's
+bfloat16 at every row count measured (1 to 300 rows, the 0.5 B draft's layers: 0.7x its time at 150), so
+such a weight keeps that layout alone, and no bfloat16 copy.
 float32 is left alone: its packed kernel rounds differently from ``F.linear``, and float32 is the
 dtype tests compare bit for bit with Hugging Face.
 """
@@ -34,12 +35,11 @@ from typing import Literal
 import torch
 from torch import nn
 
-from serve_app.models.avx2_linear import Avx2Linear, Weights, avx512_bf16, extension
+from serve_app.models.avx2_linear import Avx2Linear, Weights, avx512_bf16, extension, widest_layout
 
 LinearKernel = Literal["onednn", "avx2"]
 WIDE_FROM_ROWS = 8  # a forward of this many rows or more runs on oneDNN (``SplitLinear``)...
 WIDE_FROM_ROWS_PAIRS = 24  # ...or this many where our kernel has the AVX-512 BF16 layout
-WIDE_FROM_ROWS_QUADS = 32  # ...or this many for int8 weights on the AVX-512 VNNI layout
 
 
 def onednn_bf16() -> bool:
@@ -93,17 +93,14 @@ class SplitLinear(nn.Module):
 
     Measured for int8 (AMD Zen 4, 2 threads, the 0.5 B draft's 151936 x 896 output layer, int8 / bfloat16
     ms): 6.1 / 10.3 at 1 row, 8.5 / 9.5 at 4, 18.9 / 14.6 at 8, 260 / 123 at 150; the draft's prefill of
-    150 tokens 642 / 348 ms, its decode step 29.7 / 56.0. On the VNNI layout (quads / AVX2 int8 / oneDNN
-    bfloat16, same layer, one process): 4.3 / 5.8 / 11.8 ms at 1 row, 6.8 / 14.5 / 12.5 at 8, 9.4 / 25.1 / 16.4
-    at 16, 17.0 / 49.9 / 24.8 at 32; the draft's 4864 x 896 down projection 0.60 / 1.81 / 0.66 ms at 32 rows.
-    Holds both layouts of the weight."""
+    150 tokens 642 / 348 ms, its decode step 29.7 / 56.0. (Where the CPU has AVX-512 VNNI, int8 weights
+    take that layout alone: ``pack_linears``.) Holds both layouts of the weight."""
 
     def __init__(self, linear: nn.Linear, weights: Weights = "bfloat16"):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.narrow, self.wide = Avx2Linear(linear, weights), PackedLinear(linear)
-        self.wide_from = {"pairs": WIDE_FROM_ROWS_PAIRS, "quads": WIDE_FROM_ROWS_QUADS}.get(self.narrow.layout,
-                                                                                          WIDE_FROM_ROWS)
+        self.wide_from = WIDE_FROM_ROWS_PAIRS if self.narrow.layout == "pairs" else WIDE_FROM_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (self.wide if x.numel() >= self.wide_from * self.in_features else self.narrow)(x)
@@ -112,11 +109,13 @@ class SplitLinear(nn.Module):
 def pack_linears(model: nn.Module, kernel: LinearKernel = "onednn", weights: Weights = "bfloat16") -> int:
     """Replace every ``nn.Linear`` of an inference model by a packed one: bfloat16 (or int8) weights on
     the AVX2 kernel for few rows and oneDNN for many where the CPU has both (``SplitLinear``), else on
-    the one it has; float32 on oneDNN. Returns how many."""
+    the one it has; int8 weights on the AVX-512 VNNI layout at every row count; float32 on oneDNN.
+    Returns how many."""
     def packed(linear: nn.Linear) -> nn.Module:
         if kernel == "onednn" and (linear.weight.dtype != torch.bfloat16 or extension() is None):
             return PackedLinear(linear)
-        if kernel == "avx2" and not (weights == "int8" and onednn_bf16()):
+        if kernel == "avx2" and not (weights == "int8" and onednn_bf16()) or \
+                weights == "int8" and widest_layout(weights, linear.in_features) == "quads":
             return Avx2Linear(linear, weights)
         return SplitLinear(linear, weights)
 
