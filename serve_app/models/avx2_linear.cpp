@@ -500,7 +500,9 @@ torch::Tensor linear_quads(torch::Tensor x, torch::Tensor packed, int64_t n_out,
   std::vector<int8_t> q(M * K);
   std::vector<float> d(M * nb);
   std::vector<int32_t> s(M * nb);
-  quantize_rows(rows.xs(), M, K, q.data(), d.data(), s.data());
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {  // a prefill's rows on every thread; a step's on one
+    quantize_rows(rows.xs() + begin * K, end - begin, K, q.data() + begin * K, d.data() + begin * nb, s.data() + begin * nb);
+  });
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   const float* bp = rows.bp();
