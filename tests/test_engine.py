@@ -16,7 +16,8 @@ from serve_app.engine.pipeline import PlainPipeline
 from serve_app.engine.request import GenerationParams
 from serve_app.models.avx2_linear import Avx2Linear
 from serve_app.models.packed import batch_invariant_rows
-from serve_app.speculation.policy import BlockSizePolicy, FixedPolicy
+from serve_app.speculation.policy import BlockSizePolicy, FixedPolicy, forward_features
+from serve_app.speculation.realized import RealizedPolicy
 from serve_app.speculation.types import SamplingParams
 from tests.conftest import perturbed_copy
 from tests.helpers import engine_for, hf_greedy, top_k_marginal
@@ -427,6 +428,25 @@ def test_aborting_a_request_while_its_prompt_is_cached_frees_its_slot(tiny_model
     assert engine.prefilling and engine.verifier.free_slots == 3
     engine.abort(request_id)
     assert not engine.prefilling and engine.verifier.free_slots == 4 and not engine.has_work
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_the_default_policy_prices_forwards_of_many_tokens_by_the_prompts_prefills(tiny_models, chunk):
+    """Each of the target's prefill calls (a whole prompt, or a chunk of one) reaches the default policy's
+    target line: the only forwards of many tokens before rounds at a large batch, which it prices by them."""
+    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_draft"], k_policy="adaptive",
+                        prefill_chunk_tokens=chunk)
+    assert isinstance(engine.policy, RealizedPolicy)
+    seen = []
+    engine.policy.record_prefill = lambda tokens, seconds: seen.append((tokens, seconds))
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    engine.generate(prompts, GenerationParams(max_tokens=4))
+    assert sum(n for n, _ in seen) == sum(map(len, prompts)) and all(s > 0 for _, s in seen)
+    assert max(n for n, _ in seen) == (max(map(len, prompts)) if chunk is None else chunk)
+    policy = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_draft"], k_policy="adaptive").policy
+    policy.record_prefill(40, 0.01)
+    assert policy.model.widest == 40 and policy.model.verify(*forward_features(40)) != BlockSizePolicy(4).verify(
+        *forward_features(40))
 
 
 def test_the_cost_model_policy_loses_nothing_and_its_k_0_costs_the_draft_no_step(tiny_models):

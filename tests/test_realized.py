@@ -35,11 +35,13 @@ def best_rate(batch: int, alpha: float, seconds: Callable[[int, int], float]) ->
 
 
 def play(policy, rounds: int, batch: int, alpha: Callable[[int], float], seconds: Callable[[int, int], float],
-         seen_step: float, seed: int = 0, ahead: int = 0) -> list[tuple[int, int, float]]:
+         seen_step: float, seed: int = 0, ahead: int = 0,
+         verify: Callable[[int], float] = lambda tokens: 0.020 + 0.001 * tokens) -> list[tuple[int, int, float]]:
     """Serve ``rounds`` rounds; the components the policy's model sees say a draft step costs
-    ``seen_step`` and hide the hop. Returns (arm, tokens gained, seconds) per round. ``ahead``: plain
-    rounds sent ahead as the engine does (``engine.pipeline``): after each round, up to ``ahead`` plain
-    rounds are queued while the policy's choice drafts nothing, and are played before it is asked again."""
+    ``seen_step`` and a target call of n tokens ``verify(n)``, and hide the hop. Returns (arm, tokens
+    gained, seconds) per round. ``ahead``: plain rounds sent ahead as the engine does (``engine.pipeline``):
+    after each round, up to ``ahead`` plain rounds are queued while the policy's choice drafts nothing, and
+    are played before it is asked again."""
     rng = random.Random(seed)
     ids = tuple(f"s{i}" for i in range(batch))
     rows = [Row(s, MAX_K, "draft") for s in ids]
@@ -61,7 +63,7 @@ def play(policy, rounds: int, batch: int, alpha: Callable[[int], float], seconds
         real = seconds(batch, arm)
         gained = batch + sum(accepted)
         drafts = {"draft": (arm, 0.001 + seen_step * arm)} if arm else {}
-        policy.record_costs(RoundCosts(batch + sum(ks), 0.020 + 0.001 * (batch + sum(ks)), drafts, 0.003, batch,
+        policy.record_costs(RoundCosts(batch + sum(ks), verify(batch + sum(ks)), drafts, 0.003, batch,
                                        real, gained, arm))
         out.append((arm, gained, real))
         while len(in_flight) < ahead and not any(policy.choose(rows)):
@@ -257,6 +259,30 @@ def test_it_would_draft_for_a_sequence_alone_until_measured_and_then_as_its_own_
     cheap = lambda batch, k: 0.050 + 0.0005 * batch * (1 + k) + (0.002 + 0.002 * k if k else 0.0)  # noqa: E731
     play(policy, 300, 4, lambda t: 0.9, cheap, seen_step=0.002)
     assert policy.would_draft(rows(4))  # drafting leads at 4 once it pays there
+
+
+def test_at_a_batch_size_never_drafted_at_it_would_draft_where_lines_fitted_that_wide_say_drafting_pays():
+    """Requests sent together meet a batch size where no round drafted yet. Its model's guess there is
+    trusted once its lines were fitted to the calls such a round makes: the draft's, and target forwards
+    of at least as many tokens as the round would verify (a prompt's prefill is one: ``record_prefill``).
+    Then ``would_draft`` follows the model's leader there (served on the real pair: drafting at 4 streams
+    decodes at 1.5x plain decoding, at 16 the 2 cores are compute-bound and plain decoding leads); before,
+    a batch is not worth a draft's prefill (the model's lines extrapolated: ``test_at_a_batch_size_new_to_it``)."""
+    rows = lambda n: [Row(f"s{i}", MAX_K, "draft") for i in range(n)]  # noqa: E731
+    target = lambda tokens: 0.100 + 0.001 * tokens + 0.007 * max(tokens - 8, 0)  # noqa: E731 - compute-bound past 8
+    step = 0.030
+    policy = fresh()
+    play(policy, 40, 1, lambda t: 0.8, lambda batch, k: target(batch * (1 + k)) + 0.003 + (step * k if k else 0.0),
+         seen_step=step, verify=target)
+    assert policy.would_draft(rows(1)) and not policy.would_draft(rows(4))  # no forward of 12 tokens seen
+    policy.record_prefill(150, target(150))
+    assert policy.would_draft(rows(4)) and not policy.would_draft(rows(16))
+    assert policy.leader(rows(4)) > 0 and policy.leader(rows(16)) == 0
+    before = pickle.dumps(policy)
+    assert policy.would_draft(rows(4)) and pickle.dumps(policy) == before  # a query
+    fixed = FixedPolicy()
+    fixed.record_prefill(150, 1.0)
+    assert fixed.would_draft(rows(4))  # every row drafts its cap
 
 
 def one_round(policy: RealizedPolicy, batch: int, k: int, seconds: float) -> None:

@@ -13,10 +13,14 @@ on the real pair the first token had come from the first round, after the draft'
 Requests sent together reach a served engine one by one: the first is often admitted alone, the rest
 arriving during its prefill. ``arrivals`` (the serving loop's) queues those before the step goes on, so
 the batch its round and its draft are decided for is the one about to run.
+
+Each of the target's prefill calls is timed for the k policy (``on_forward``: tokens, seconds): the only
+forwards of many tokens before a round at a large batch, which price such a round (``engine.deferral``).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -25,8 +29,10 @@ from serve_app.speculation.verifier import Verifier
 
 
 class Admission:
-    def __init__(self, prefill_chunk: int | None = None):
+    def __init__(self, prefill_chunk: int | None = None,
+                 on_forward: Callable[[int, float], None] = lambda tokens, seconds: None):
         self.prefill_chunk = prefill_chunk  # most prompt tokens cached per step; None: whole prompts
+        self.on_forward = on_forward  # each prefill call of the target: (tokens, seconds)
         self.waiting: deque[Request] = deque()
         self.prefilling: deque[Request] = deque()  # admitted, prompt partly cached on the target (oldest first)
         self.arrivals: Callable[[], object] = lambda: None  # queues requests submitted meanwhile (``waiting``)
@@ -42,11 +48,13 @@ class Admission:
             if self.prefilling:
                 req = self.prefilling[0]
                 n = self._count(req, budget)
+                start = time.perf_counter()
                 token = verifier.continue_prefill(req.request_id, n)
             elif self.waiting and verifier.free_slots > 0:
                 req = self.waiting[0]
                 n = self._count(req, budget)
                 undo = starting(req)
+                start = time.perf_counter()
                 try:
                     token = verifier.add_sequence(req.request_id, req.context_ids, req.params.sampling, n)
                 except BaseException:
@@ -56,6 +64,7 @@ class Admission:
                 self.prefilling.append(req)
             else:
                 break
+            self.on_forward(n, time.perf_counter() - start)
             admitted = True
             req.prefilled += n
             req.stats.target_forward_passes += 1

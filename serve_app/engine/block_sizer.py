@@ -82,6 +82,10 @@ class BlockSizer:
         self.policy.observe(result)
         self.policy.record_costs(costs)
 
+    def on_prefill(self, tokens: int, seconds: float) -> None:
+        """A target forward that cached ``tokens`` prompt tokens (``KPolicy.record_prefill``)."""
+        self.policy.record_prefill(tokens, seconds)
+
     def forget(self, seq_id: str) -> None:
         self.policy.forget(seq_id)
 

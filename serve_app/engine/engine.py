@@ -71,7 +71,7 @@ class Engine:
                              "block drafted ahead has not got; set overlap: false or draft: <a decoder model>")
         self.eos_ids = frozenset(eos_ids)
         self.on_round: RoundSink = on_round or (lambda result, seconds: None)
-        self.admission = Admission(prefill_chunk)
+        self.admission = Admission(prefill_chunk, lambda tokens, seconds: self.sizer.on_prefill(tokens, seconds))
         self.waiting, self.prefilling = self.admission.waiting, self.admission.prefilling  # the same queues
         self.running: dict[str, Request] = {}
         self.deferral = Deferral(  # who the draft takes, and when

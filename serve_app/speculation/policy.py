@@ -194,6 +194,11 @@ class KPolicy(Protocol):
 
     def record_costs(self, costs: RoundCosts) -> None: ...
 
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        """A target forward caching ``tokens`` prompt tokens took ``seconds`` (the engine's call): what a
+        forward of many tokens costs, which no round at the batch sizes served so far has shown."""
+        ...
+
     def forget(self, seq_id: str) -> None: ...
 
     def snapshot(self) -> dict: ...
@@ -224,6 +229,9 @@ class FixedPolicy:
     def record_costs(self, costs: RoundCosts) -> None:
         self.realized.record(costs.k, costs.batch, costs.tokens, costs.gained, costs.interval_s)
 
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        pass
+
     def forget(self, seq_id: str) -> None:
         pass
 
@@ -251,6 +259,7 @@ class BlockSizePolicy:
         self.engine_wide = Acceptance(global_decay)
         self.sequences: dict[str, Acceptance] = {}
         self.verify = LinearCost(*verify_cost, 0.0)  # a + b·tokens + c·(tokens past VERIFY_KNEE)
+        self.widest = 0  # the most tokens of a target forward the line was fitted to (a round's or a prefill's)
         self.draft_prior = (*draft_cost, 0.0)[:3]
         self.drafts: dict[str, LinearCost] = {}
         self.overhead = 0.0  # the engine's own seconds a round, outside the calls (EMA)
@@ -284,7 +293,7 @@ class BlockSizePolicy:
         """One real round's costs: the lines. A plain round is a target call too: its tokens and seconds
         teach the target's line what a token costs at batch sizes no round drafted at (drafting rounds
         alone, all at one stream and one k, would leave it flat)."""
-        self.verify.add(forward_features(costs.tokens), costs.verify_s)
+        self.record_forward(costs.tokens, costs.verify_s)
         if costs.catch_up is not None:
             read, took = costs.catch_up
             predicted = self.seconds(costs.batch, costs.tokens, dict.fromkeys(costs.draft_rows, costs.k),
@@ -300,6 +309,22 @@ class BlockSizePolicy:
             self.drafts.setdefault(method, LinearCost(*self.draft_prior)).add((steps, steps * (rows - 1)), seconds)
         if costs.overhead_s is not None:
             self.overhead = 0.9 * self.overhead + 0.1 * costs.overhead_s
+
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        """Not learned from: alone, the model never tries a k it predicts to lose, and a target priced by its
+        prefill before any round drafted would be weighed against the draft's prior line (with tiny models,
+        dearer than the target: it never drafted). ``speculation.realized`` feeds it (``record_forward``)."""
+
+    def record_forward(self, tokens: int, seconds: float) -> None:
+        """A target forward of ``tokens`` tokens (a round's, or a prompt's prefill)."""
+        self.verify.add(forward_features(tokens), seconds)
+        self.widest = max(self.widest, tokens)
+
+    def fitted(self, rows: Sequence[Row], ks: Sequence[int]) -> bool:
+        """Whether its lines were fitted to the calls of a round drafting ``ks`` for ``rows``: each drafting
+        proposer's, and target forwards of at least as many tokens as the round verifies."""
+        drafting = {r.method for r, k in zip(rows, ks, strict=True) if k}
+        return all(m in self.drafts for m in drafting) and self.widest >= len(rows) + sum(ks)
 
     def forget(self, seq_id: str) -> None:
         self.sequences.pop(seq_id, None)

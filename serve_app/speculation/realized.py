@@ -72,6 +72,12 @@ class RealizedPolicy:
                              self.predicted_gain)
         self.model.record_costs(costs)
 
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        """The target's line past the knee: rounds at a few streams never reach it, and a batch's round
+        would be priced by the slope of 1-5 tokens (on the real pair, 4x too cheap: 7 ms a token past 16).
+        Its probes correct a prior the measured target makes look dear."""
+        self.model.record_forward(tokens, seconds)
+
     def forget(self, seq_id: str) -> None:
         self.model.forget(seq_id)
 
@@ -116,12 +122,17 @@ class RealizedPolicy:
 
     def would_draft(self, rows: Sequence[Row]) -> bool:
         """Whether a decoder draft's prefill is worth it for these rows (``engine.deferral``): the leader
-        drafts at their batch bucket, once a drafting round was measured there. Before that, yes for a
-        sequence alone (only a sequence the draft holds can show what drafting realizes), no for a batch:
-        drafting pays less as the batch grows, and the rounds of sequences taken alone measure it there."""
+        drafts at their batch bucket. Where no drafting round was measured there, a sequence alone is
+        taken (only a sequence the draft holds can show what drafting realizes), and a batch only where
+        the model's lines were fitted to the calls of the leader's round (``BlockSizePolicy.fitted``: a
+        prompt's prefill teaches the target's line what many tokens cost): requests sent together are
+        held together, so a batch left out here decodes plainly until a hand-over (``explore_pays``)."""
         if not any(r.cap for r in rows):
             return False
-        return len(rows) == 1 if self.unexplored(rows) else self.leader(rows) > 0
+        if self.unexplored(rows) and len(rows) == 1:
+            return True
+        leader = self.leader(rows)
+        return leader > 0 and (not self.unexplored(rows) or self.model.fitted(rows, [min(r.cap, leader) for r in rows]))
 
     def unexplored(self, rows: Sequence[Row]) -> bool:
         """Whether no drafting round was measured at these rows' batch bucket."""
