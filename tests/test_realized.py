@@ -267,7 +267,8 @@ def test_at_a_batch_size_never_drafted_at_it_would_draft_where_lines_fitted_that
     of at least as many tokens as the round would verify (a prompt's prefill is one: ``record_prefill``).
     Then ``would_draft`` follows the model's leader there (served on the real pair: drafting at 4 streams
     decodes at 1.5x plain decoding, at 16 the 2 cores are compute-bound and plain decoding leads); before,
-    a batch is not worth a draft's prefill (the model's lines extrapolated: ``test_at_a_batch_size_new_to_it``)."""
+    a batch is not worth a draft's prefill (the model's lines extrapolated, as in
+    ``test_at_a_batch_size_new_to_it_plain_decoding_is_measured_first``)."""
     rows = lambda n: [Row(f"s{i}", MAX_K, "draft") for i in range(n)]  # noqa: E731
     target = lambda tokens: 0.100 + 0.001 * tokens + 0.007 * max(tokens - 8, 0)  # noqa: E731 - compute-bound past 8
     step = 0.030

@@ -74,8 +74,8 @@ class RealizedPolicy:
 
     def record_prefill(self, tokens: int, seconds: float) -> None:
         """The target's line past the knee: rounds at a few streams never reach it, and a batch's round
-        would be priced by the slope of 1-5 tokens (on the real pair, 4x too cheap: 7 ms a token past 16).
-        Its probes correct a prior the measured target makes look dear."""
+        would be priced by the slope of 1-5 tokens (on the real pair about 0.3 ms a token, where each token
+        past 16 costs 7-10). A draft's prior line may look dear beside it: its probes measure the draft."""
         self.model.record_forward(tokens, seconds)
 
     def forget(self, seq_id: str) -> None:
@@ -129,10 +129,11 @@ class RealizedPolicy:
         held together, so a batch left out here decodes plainly until a hand-over (``explore_pays``)."""
         if not any(r.cap for r in rows):
             return False
-        if self.unexplored(rows) and len(rows) == 1:
+        unexplored = self.unexplored(rows)
+        if unexplored and len(rows) == 1:
             return True
         leader = self.leader(rows)
-        return leader > 0 and (not self.unexplored(rows) or self.model.fitted(rows, [min(r.cap, leader) for r in rows]))
+        return leader > 0 and (not unexplored or self.model.fitted(rows, [min(r.cap, leader) for r in rows]))
 
     def unexplored(self, rows: Sequence[Row]) -> bool:
         """Whether no drafting round was measured at these rows' batch bucket."""
