@@ -114,8 +114,8 @@ def pack_linears(model: nn.Module, kernel: LinearKernel = "onednn", weights: Wei
     def packed(linear: nn.Linear) -> nn.Module:
         if kernel == "onednn" and (linear.weight.dtype != torch.bfloat16 or extension() is None):
             return PackedLinear(linear)
-        if kernel == "avx2" and not (weights == "int8" and onednn_bf16()) or \
-                weights == "int8" and widest_layout(weights, linear.in_features) == "quads":
+        if (kernel == "avx2" and not (weights == "int8" and onednn_bf16())) or \
+                (weights == "int8" and widest_layout(weights, linear.in_features) == "quads"):
             return Avx2Linear(linear, weights)
         return SplitLinear(linear, weights)
 
