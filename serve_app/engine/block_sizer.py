@@ -91,5 +91,6 @@ class BlockSizer:
 
 
 def rows(requests: Sequence[Request], caps: Sequence[int]) -> list[Row]:
-    """What the policy sees of each request: its id, its cap this round, its proposer."""
-    return [Row(r.request_id, c, r.method) for r, c in zip(requests, caps, strict=True)]
+    """What the policy sees of each request: its id, its cap this round, its proposer, what it may still generate."""
+    return [Row(r.request_id, c, r.method, max(0, r.params.max_tokens - len(r.output_ids)))
+            for r, c in zip(requests, caps, strict=True)]

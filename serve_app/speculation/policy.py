@@ -161,11 +161,13 @@ class RoundCosts:
 
 @dataclass(frozen=True)
 class Row:
-    """One sequence of the round: its id, the most it may draft, and its proposer."""
+    """One sequence of the round: its id, the most it may draft, its proposer, and the most tokens it may
+    still generate (0: not known)."""
 
     seq_id: str
     cap: int
     method: str
+    remaining: int = 0
 
 
 class KPolicy(Protocol):

@@ -37,6 +37,13 @@ the leader is retried as often as before. Acceptance that collapses makes every 
 less at once and plain decoding leads; k = 1 is still retried now and then, so speculation comes back
 when it pays again (``tests/test_realized.py``).
 
+A sequence alone (one stream) is the batch, and how well the draft guesses differs far more from one
+request to the next than within one: its first ``MEASURE_ROUNDS`` rounds draft where plain decoding leads
+the bucket, as long as they are predicted to lose at most ``MEASURE_SHARE`` of its time (``measuring``),
+so its own acceptance, not the requests' before it, decides. Those rounds teach the model that
+sequence's acceptance; they count as expected in the bucket's acceptance against the model, which
+measures what the model misjudges, not how a new sequence differs from its prior.
+
 ``choose`` is a pure query; the clock of each bucket advances in ``record_costs``, once a real round.
 """
 
@@ -51,6 +58,8 @@ from serve_app.speculation.types import VerifyResult
 
 EXPLORE_EVERY = 8  # at most one round in this many of a bucket tries a stale neighbour of the leader
 EXPLORE_SHARE = 0.005  # what probes of an arm may lose (predicted), as a share of the bucket's time
+MEASURE_ROUNDS = 2  # drafting rounds that measure a sequence alone before its own acceptance counts as known
+MEASURE_SHARE = 0.02  # what those rounds may lose (predicted), as a share of the sequence's time at plain decoding
 
 
 class RealizedPolicy:
@@ -59,17 +68,26 @@ class RealizedPolicy:
         self.max_k = model.max_k
         self.realized = RealizedRates()
         self.predicted_gain = 0.0  # of the round just observed, as the model expected it before the result
+        self.drafted: dict[str, int] = {}  # each sequence's drafting rounds so far (``measuring``)
+        self.measured_new = False  # the round just observed drafted only for sequences being measured
 
     # ---- learning ----------------------------------------------------------------------------
     def observe(self, result: VerifyResult) -> None:
         """The round's outcome (before its costs): first what the model expected it to gain."""
         rows = [Row(s, k, "") for s, k in zip(result.seq_ids, result.num_draft_tokens.tolist(), strict=True)]
         self.predicted_gain = len(rows) + sum(sum(g) for g in self.model.gains(rows, self.max_k))
+        # a round that measures new sequences alone says how they differ from the model's prior, not what
+        # the model misjudges: their own acceptance takes it in (the model's, per sequence)
+        self.measured_new = any(r.cap for r in rows) and all(
+            self.drafted.get(r.seq_id, 0) < MEASURE_ROUNDS for r in rows if r.cap)
+        for row in rows:
+            if row.cap:
+                self.drafted[row.seq_id] = self.drafted.get(row.seq_id, 0) + 1
         self.model.observe(result)
 
     def record_costs(self, costs: RoundCosts) -> None:
         self.realized.record(min(costs.k, self.max_k), costs.batch, costs.tokens, costs.gained, costs.interval_s,
-                             self.predicted_gain)
+                             costs.gained if self.measured_new else self.predicted_gain)
         self.model.record_costs(costs)
 
     def record_prefill(self, tokens: int, seconds: float) -> None:
@@ -79,6 +97,7 @@ class RealizedPolicy:
         self.model.record_forward(tokens, seconds)
 
     def forget(self, seq_id: str) -> None:
+        self.drafted.pop(seq_id, None)
         self.model.forget(seq_id)
 
     # ---- the choice --------------------------------------------------------------------------
@@ -132,8 +151,30 @@ class RealizedPolicy:
         unexplored = self.unexplored(rows)
         if unexplored and len(rows) == 1:
             return True
-        leader = self.leader(rows)
-        return leader > 0 and (not unexplored or self.model.fitted(rows, [min(r.cap, leader) for r in rows]))
+        predicted = self.predict(rows)
+        leader = best([gained / seconds for gained, seconds in predicted])
+        if leader == 0:
+            return self.measuring(rows, predicted) > 0
+        return not unexplored or self.model.fitted(rows, [min(r.cap, leader) for r in rows])
+
+    def measuring(self, rows: Sequence[Row], predicted: Sequence[tuple[float, float]]) -> int:
+        """A sequence alone that fewer than ``MEASURE_ROUNDS`` rounds drafted for: the drafting arm predicted
+        best for it, where those rounds are predicted to lose at most ``MEASURE_SHARE`` of its time at plain
+        decoding (what it may still generate, ``Row.remaining``, at plain decoding's rate); else 0. At one
+        stream each request is the batch, and how well the draft guesses it differs from one request to
+        the next far more than within one: its first rounds measure its own acceptance, which the bucket's
+        leader, learned on the requests before it, does not know (served on the embedded model, a fixed
+        k = 4 took 43 to 64 rounds for 96 tokens, request by request; after requests it guessed badly, the
+        default left every later request to plain decoding from its admission, 0.85x the fixed k = 4)."""
+        if len(rows) != 1 or not rows[0].cap or len(predicted) < 2:
+            return 0
+        left = MEASURE_ROUNDS - self.drafted.get(rows[0].seq_id, 0)
+        if left <= 0:
+            return 0
+        rates = [gained / seconds for gained, seconds in predicted]
+        arm = best(rates[1:]) + 1
+        lost = left * predicted[arm][1] * max(0.0, 1 - rates[arm] / rates[0])
+        return arm if lost <= MEASURE_SHARE * rows[0].remaining / rates[0] else 0
 
     def unexplored(self, rows: Sequence[Row]) -> bool:
         """Whether no drafting round was measured at these rows' batch bucket."""
@@ -178,6 +219,8 @@ class RealizedPolicy:
         predicted = self.predict(rows)
         rates = [gained / seconds for gained, seconds in predicted]
         leader = best(rates)
+        if leader == 0 and (measure := self.measuring(rows, predicted)):
+            return measure
         calibration = self.realized.buckets.get(bucket(len(rows)))
         if calibration is None or calibration.since_other(leader) < EXPLORE_EVERY:
             return leader
