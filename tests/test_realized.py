@@ -242,7 +242,7 @@ def serve_one(policy: RealizedPolicy, seq_id: str, tokens: int, alpha: float,
 
 
 def test_at_one_stream_each_new_request_is_measured_in_its_first_rounds_where_plain_decoding_leads():
-    """Served at one stream (issue 26, the embedded model): requests follow one another, and how well the
+    """At one stream (issue 26, the embedded model's replica in process): requests follow one another, and how well the
     draft guesses differs from one to the next far more than within one (a fixed k = 4 took 43 to 64
     rounds for 96 tokens, request by request). After requests the draft guessed badly, plain decoding led
     the bucket, every later request was left to it from its admission, and one the draft would have

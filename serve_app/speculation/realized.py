@@ -145,7 +145,8 @@ class RealizedPolicy:
         taken (only a sequence the draft holds can show what drafting realizes), and a batch only where
         the model's lines were fitted to the calls of the leader's round (``BlockSizePolicy.fitted``: a
         prompt's prefill teaches the target's line what many tokens cost): requests sent together are
-        held together, so a batch left out here decodes plainly until a hand-over (``explore_pays``)."""
+        held together, so a batch left out here decodes plainly until a hand-over (``explore_pays``). Where
+        plain decoding leads, a sequence alone that ``measuring`` would measure is taken."""
         if not any(r.cap for r in rows):
             return False
         unexplored = self.unexplored(rows)
@@ -163,9 +164,9 @@ class RealizedPolicy:
         decoding (what it may still generate, ``Row.remaining``, at plain decoding's rate); else 0. At one
         stream each request is the batch, and how well the draft guesses it differs from one request to
         the next far more than within one: its first rounds measure its own acceptance, which the bucket's
-        leader, learned on the requests before it, does not know (served on the embedded model, a fixed
-        k = 4 took 43 to 64 rounds for 96 tokens, request by request; after requests it guessed badly, the
-        default left every later request to plain decoding from its admission, 0.85x the fixed k = 4)."""
+        leader, learned on the requests before it, does not know (the embedded model's replica in process:
+        a fixed k = 4 took 43 to 64 rounds for 96 tokens, request by request; after requests it guessed badly,
+        the default left later requests to plain decoding from their admission, 0.85x the fixed k = 4)."""
         if len(rows) != 1 or not rows[0].cap or len(predicted) < 2:
             return 0
         left = MEASURE_ROUNDS - self.drafted.get(rows[0].seq_id, 0)
