@@ -58,8 +58,8 @@ class BlockSizer:
         caps = self.caps(requests, bounds)
         if any(c and r.params.sampling.seed is not None for r, c in zip(requests, caps, strict=True)):
             return True
-        remaining = sum(max(0, r.params.max_tokens - len(r.output_ids)) for r in requests)
-        return self.policy.hand_over_pays(rows(requests, caps), remaining, read)
+        batch = rows(requests, caps)
+        return self.policy.hand_over_pays(batch, sum(r.remaining for r in batch), read)
 
     def explore_pays(self, requests: Sequence[Request], bounds: Sequence[int], read: int) -> bool:
         """``KPolicy.explore_pays`` for these requests."""
