@@ -9,9 +9,12 @@ seconds (result to result, everything included) and the tokens a model expected 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 DECAY = 0.97  # per round of a bucket: an arm's sums follow about its last 30 rounds
 STALE = 0.5  # an arm's weight below this (about 23 rounds after one was played) is stale
 PRIOR_DRAFTS = 4.0  # the model's acceptance counts as this many expected drafts before a bucket's first drafting round
+PRIOR_ROUNDS = 4.0  # a neighbour's pace counts as this many of a drafting arm's own rounds (``time_factors``)
 
 
 def bucket(batch: int) -> int:
@@ -73,6 +76,40 @@ class ArmRounds:
         expected = sum(self.sums["expected"][1:]) - batch + prior
         return (sum(self.sums["gained"][1:]) - batch + prior) / expected if expected > 0 else 1.0
 
+    def time_factors(self, model_seconds: Callable[[int], float], arms: int) -> list[float] | None:
+        """Per arm 0..arms-1, realized seconds over a model's; None before any round here. ``model_seconds(m)``:
+        the model's seconds now for the rounds arm m played here (their mean batch and tokens). An arm not
+        measured takes the nearest measured arm's ratio (the model's shape, the realized level: its error
+        grows with the distance in k). A drafting arm's own ratio is shrunk toward that of the nearest other
+        measured drafting arm, as if that were ``PRIOR_ROUNDS`` of its rounds, where that makes it cheaper:
+        an arm's mean seconds do not fade with its weight, so one slow round of an arm seldom played would
+        otherwise set its pace until it is played again, which that pace puts off (in process at one
+        stream: the one round of k = 4 in a while took 47 ms where its rounds took 27-30, and it was
+        predicted at 0.7x the leader's rate). Never dearer than its own rounds say, so an arm the model
+        prices too dear keeps its edge over its neighbours (the model's shape error grows with k). Plain
+        rounds keep their own (pipelined or not, they are played most)."""
+        weights = self.sums["weight"]
+        ratio = {m: self.sums["seconds"][m] / (w * max(model_seconds(m), 1e-9)) for m, w in enumerate(weights) if w > 0}
+        if not ratio:
+            return None
+
+        def nearest(arm: int, among: list[int]) -> int:
+            return min(among, key=lambda m: (abs(m - arm), m))
+
+        out = []
+        for arm in range(arms):
+            if arm not in ratio:
+                out.append(ratio[nearest(arm, list(ratio))])
+                continue
+            others = [m for m in ratio if m and m != arm]
+            if not arm or not others:
+                out.append(ratio[arm])
+            else:  # never dearer than its own rounds say: a slow outlier fades, a cheaper arm keeps its edge
+                w = weights[arm]
+                shrunk = (w * ratio[arm] + PRIOR_ROUNDS * ratio[nearest(arm, others)]) / (w + PRIOR_ROUNDS)
+                out.append(min(ratio[arm], shrunk))
+        return out
+
     def tokens_per_second(self, arm: int) -> float | None:
         """What the arm's rounds realized lately, or None where it is stale."""
         return None if self.stale(arm) else self.realized(arm)
@@ -85,11 +122,6 @@ class ArmRounds:
         """Whether, plain rounds measured here, some drafting arm's rounds realized more tokens a second."""
         return self.measured(0) and \
             max(map(self.realized, range(1, len(self.sums["weight"]))), default=0.0) > self.realized(0)
-
-    def nearest(self, arm: int) -> int | None:
-        """The measured arm nearest this one (the smaller on a tie), None before any round."""
-        measured = [a for a, w in enumerate(self.sums["weight"]) if w > 0]
-        return min(measured, key=lambda m: (abs(m - arm), m)) if measured else None
 
     def mean(self, field: str, arm: int) -> float:
         return self.sums[field][arm] / self.sums["weight"][arm]

@@ -15,8 +15,10 @@ those rows at that k, each scaled by what rounds realized (``speculation.arms``)
   there is the same at every k (its acceptance lags a change in content), and pooling keeps the noise
   of a block's acceptance out of the comparison between k's; the model's acceptance is its prior, worth
   a few drafts, fading as the bucket drafts (one rejected first block must not read as a draft never right);
-- its seconds by the nearest measured arm's realized seconds over what the model predicts for those
-  rounds now (so its own learning does not linger in the factor): the model's shape, the realized level.
+- its seconds by its rounds' realized seconds over what the model predicts for those rounds now (so its
+  own learning does not linger in the factor), shrunk toward the same ratio pooled over the bucket's
+  drafting rounds as far as its own rounds are few (``ArmRounds.time_factors``): the model's shape, the
+  realized level; one slow round of an arm seldom played does not set its pace.
 The sums decay (``arms.DECAY`` a round of the bucket), so they follow changes in load and content.
 
 Each round plays the arm of the highest predicted rate (the leader), the smaller k on a tie. Past
@@ -107,14 +109,22 @@ class RealizedPolicy:
 
     def predict(self, rows: Sequence[Row]) -> list[tuple[float, float]]:
         """Predicted (tokens gained, seconds) of a round at each arm 0..top for these rows: the model's,
-        each scaled by what the nearest measured arm realized against the model (the seconds against
-        the model as it is now, so its own learning does not linger). Plain rounds pipelined or not:
+        the drafts scaled by the bucket's acceptance against the model and the seconds by what the arm's
+        rounds, and the bucket's other drafting rounds, realized against the model as it is now
+        (``ArmRounds.time_factors``: its own learning does not linger). Plain rounds pipelined or not:
         their realized seconds have it."""
         top = min(self.max_k, max((r.cap for r in rows), default=0))
         batch = len(rows)
         calibration = self.realized.buckets.get(bucket(batch)) or ArmRounds()
         gains = self.model.gains(rows, top)
         methods = {r.method for r in rows}
+
+        def then(m: int) -> float:  # the model's seconds now for arm m's rounds here (a probe drafts for one row)
+            c = calibration
+            drafting = dict.fromkeys(methods, (c.mean("tokens", m) - c.mean("batch", m)) / max(m, 1))
+            return self.model.seconds(c.mean("batch", m), c.mean("tokens", m), dict.fromkeys(methods, m), rows=drafting)
+
+        factors = calibration.time_factors(then, top + 1)
         acceptance = calibration.acceptance()
         out = []
         for arm in range(top + 1):
@@ -123,15 +133,9 @@ class RealizedPolicy:
             drafting = {m: sum(k > 0 for r, k in zip(rows, ks, strict=True) if r.method == m) for m in methods}
             gained = batch + sum(sum(g[:k]) for g, k in zip(gains, ks, strict=True))
             seconds = self.model.seconds(batch, batch + sum(ks), steps, rows=drafting)
-            m = calibration.nearest(arm)
-            if m is not None:
-                c = calibration
+            if factors is not None:
                 gained = batch + (gained - batch) * acceptance
-                # those rounds' drafting rows: their draft tokens over the arm (a probe drafts for one row)
-                then_rows = dict.fromkeys(methods, (c.mean("tokens", m) - c.mean("batch", m)) / max(m, 1))
-                then = self.model.seconds(c.mean("batch", m), c.mean("tokens", m), dict.fromkeys(methods, m),
-                                          rows=then_rows)
-                seconds *= c.mean("seconds", m) / max(then, 1e-9)
+                seconds *= factors[arm]
             out.append((gained, max(seconds, 1e-9)))
         return out
 
