@@ -16,9 +16,10 @@ those rows at that k, each scaled by what rounds realized (``speculation.arms``)
   of a block's acceptance out of the comparison between k's; the model's acceptance is its prior, worth
   a few drafts, fading as the bucket drafts (one rejected first block must not read as a draft never right);
 - its seconds by its rounds' realized seconds over what the model predicts for those rounds now (so its
-  own learning does not linger in the factor), shrunk toward the same ratio pooled over the bucket's
-  drafting rounds as far as its own rounds are few (``ArmRounds.time_factors``): the model's shape, the
-  realized level; one slow round of an arm seldom played does not set its pace.
+  own learning does not linger in the factor), an arm not measured by the nearest measured one's, a
+  drafting arm's own shrunk toward its nearest drafting neighbour's as far as its rounds are few, where
+  that makes it cheaper (``ArmRounds.time_factors``): the model's shape, the realized level; one slow
+  round of an arm seldom played does not set its pace.
 The sums decay (``arms.DECAY`` a round of the bucket), so they follow changes in load and content.
 
 Each round plays the arm of the highest predicted rate (the leader), the smaller k on a tie. Past
