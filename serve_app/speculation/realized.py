@@ -111,7 +111,7 @@ class RealizedPolicy:
     def predict(self, rows: Sequence[Row]) -> list[tuple[float, float]]:
         """Predicted (tokens gained, seconds) of a round at each arm 0..top for these rows: the model's,
         the drafts scaled by the bucket's acceptance against the model and the seconds by what the arm's
-        rounds, and the bucket's other drafting rounds, realized against the model as it is now
+        rounds (few of them: with its nearest drafting neighbour's) realized against the model as it is now
         (``ArmRounds.time_factors``: its own learning does not linger). Plain rounds pipelined or not:
         their realized seconds have it."""
         top = min(self.max_k, max((r.cap for r in rows), default=0))
