@@ -14,7 +14,9 @@ those rows at that k, each scaled by what rounds realized (``speculation.arms``)
   drafts accepted over those expected, pooled over every drafting arm of the bucket: the model's error
   there is the same at every k (its acceptance lags a change in content), and pooling keeps the noise
   of a block's acceptance out of the comparison between k's; the model's acceptance is its prior, worth
-  a few drafts, fading as the bucket drafts (one rejected first block must not read as a draft never right);
+  a few drafts beside the bucket's decayed ones, so the ratio fades back to the model's as its rounds age
+  (one rejected first block must not read as a draft never right, nor an unlucky stretch stay the verdict
+  while plain decoding leads and nothing drafts to correct it);
 - its seconds by its rounds' realized seconds over what the model predicts for those rounds now (so its
   own learning does not linger in the factor), an arm not measured by the nearest measured one's, a
   drafting arm's own shrunk toward its nearest drafting neighbour's as far as its rounds are few, where
