@@ -1,7 +1,8 @@
-"""Packed linears (bfloat16 on CPU): oneDNN's gives the same numbers as ``F.linear``; our few-row kernel
-(``models.avx2_linear``: AVX2 FMAs, or AVX-512 BF16 dot products where the CPU has them) gives float32
-sums of the bfloat16 products rounded once, independent of the rows batched together; the runner uses
-the kernel the CPU has, and both where it has both (few rows on ours, many on oneDNN)."""
+"""Packed linears on CPU: in bfloat16 oneDNN's gives the same numbers as ``F.linear`` (in float32, the same to
+float32 rounding); our few-row kernel (``models.avx2_linear``: AVX2 FMAs, or AVX-512 BF16 dot products where
+the CPU has them) gives float32 sums of the bfloat16 products rounded once, independent of the rows batched
+together; the runner uses the kernel the CPU has, and both where it has both (few rows on ours, many on
+oneDNN)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from serve_app.models.packed import (
     PackedLinear,
     linear_kernel,
     onednn_bf16,
+    onednn_fp32,
     pack_linears,
 )
 from serve_app.models.runner import ModelRunner
@@ -47,6 +49,21 @@ def test_a_packed_linear_gives_the_same_bits_as_f_linear(shape, bias):
     x = torch.randn(*shape, dtype=torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(PackedLinear(linear)(x), linear(x))
+
+
+@pytest.mark.skipif(not onednn_fp32(), reason="no oneDNN in this torch build")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 300), (5, 300), (3, 7, 300), (1, 130, 300)])
+def test_a_float32_packed_linear_computes_f_linear_to_float32_rounding(shape, bias):
+    # oneDNN's float32 sums are ordered differently from MKL's: the same values to a few float32 ulps
+    torch.manual_seed(1)
+    linear = nn.Linear(300, 96, bias=bias)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        packed, reference = PackedLinear(linear)(x), linear(x)
+    assert packed.dtype == torch.float32 and packed.shape == reference.shape
+    torch.testing.assert_close(packed, reference, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(packed, torch.zeros_like(packed))
 
 
 @needs_avx2
@@ -235,7 +252,7 @@ def test_bfloat16_weights_run_few_rows_on_the_avx2_kernel_and_many_on_onednn():
     assert pack_linears(float32, "onednn") == 1 and isinstance(float32[0], PackedLinear)  # float32: oneDNN only
 
 
-def test_the_runner_packs_bfloat16_models_with_the_cpus_kernel_and_leaves_float32_alone(tiny_models):
+def test_the_runner_packs_bfloat16_models_with_the_cpus_kernel_and_float32_on_onednn(tiny_models):
     def linears(runner):
         kinds = (nn.Linear, PackedLinear, Avx2Linear)
         return {type(m).__name__ for m in runner.model.modules() if isinstance(m, kinds)}
@@ -246,5 +263,7 @@ def test_the_runner_packs_bfloat16_models_with_the_cpus_kernel_and_leaves_float3
     expected = {"onednn": {"PackedLinear", "Avx2Linear"} if extension() is not None else {"PackedLinear"},
                 "avx2": {"Avx2Linear"}, None: {"Linear"}}[kernel]
     assert linears(bf16) == expected
-    assert linears(fp32) == {"Linear"}
+    assert linears(fp32) == ({"PackedLinear"} if onednn_fp32() else {"Linear"})
+    assert linear_kernel(torch.float32, "cpu") == ("onednn" if onednn_fp32() else None)
+    assert linear_kernel(torch.float32, "cuda") is None and linear_kernel(torch.float16, "cpu") is None
     assert pack_linears(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), "onednn") == 1  # float32 packs everywhere

@@ -1,4 +1,4 @@
-"""Linear layers with weights packed once at load time, for bfloat16 on CPU.
+"""Linear layers with weights packed once at load time, on CPU (bfloat16, and float32 on oneDNN).
 
 Two kernels, by what the CPU does natively (``linear_kernel``):
 - ``onednn``: where it converts bfloat16 natively (AVX-512 BW/VL/DQ or AVX-NE-CONVERT). ``F.linear``
@@ -24,8 +24,13 @@ the bytes of a decode step; on the AVX2 layout it is compute-bound from a few ro
 runs about twice as fast. On the AVX-512 VNNI layout (x rounded to int8 too) it is ahead of oneDNN's
 bfloat16 at every row count measured (1 to 300 rows, the 0.5 B draft's layers: 0.7x its time at 150), so
 such a weight keeps that layout alone, and no bfloat16 copy.
-float32 is left alone: its packed kernel rounds differently from ``F.linear``, and float32 is the
-dtype tests compare bit for bit with Hugging Face.
+float32 packs into oneDNN's layout too (``onednn_fp32``), at every row count: ``F.linear`` runs float32 on
+MKL, which on an AMD CPU takes a slow path (measured, Zen 3, two threads, a forward's linears and lm_head:
+the 1.5 B target 0.63x ``F.linear``'s time at one row, 0.38-0.54x at 2-16 rows, 0.82x at 256; the 0.5 B
+draft 0.39-0.65x at 1-16 rows; SmolLM2-135M 0.52-0.91x at 1-16 rows, 1.03-1.07x at 64-256). Its sums
+round differently from MKL's, so float32 matches Hugging Face's tokens, not its bits (the tests compare
+greedy tokens with transformers as they did: our fused q/k/v and gate/up projections never matched its
+bits either).
 """
 
 from __future__ import annotations
@@ -42,15 +47,20 @@ WIDE_FROM_ROWS = 8  # a forward of this many rows or more runs on oneDNN (``Spli
 WIDE_FROM_ROWS_PAIRS = 24  # ...or this many where our kernel has the AVX-512 BF16 layout
 
 
+def onednn_fp32() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
 def onednn_bf16() -> bool:
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return onednn_fp32() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def linear_kernel(dtype: torch.dtype, device: str | torch.device) -> LinearKernel | None:
     """The packed kernel for a model of this dtype on this device; None: keep ``F.linear``."""
-    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
+    if dtype == torch.float32:
+        return "onednn" if onednn_fp32() else None
     if onednn_bf16():
         return "onednn"
     return "avx2" if extension() is not None else None
