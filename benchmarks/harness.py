@@ -141,6 +141,27 @@ def plain_config(config: Path, out: Path) -> Path:
     return out
 
 
+def with_dtype(engine: dict, dtype: str) -> dict:
+    """An engine section in ``dtype``; a draft's int8 weights (bfloat16 only) become the model's own there."""
+    engine["dtype"] = dtype
+    spec = engine.get("speculation", {})
+    if dtype != "bfloat16" and spec.get("draft_weights") == "int8":
+        spec["draft_weights"] = "model"
+    return engine
+
+
+def dtype_config(config: Path, out: Path, dtype: str) -> Path:
+    """``config`` with every app's engine in ``dtype`` (``with_dtype``); ``config`` itself where it already is."""
+    doc = yaml.safe_load(config.read_text())
+    engines = [app["args"].setdefault("engine", {}) for app in doc["applications"]]
+    if all(e.get("dtype", "bfloat16") == dtype for e in engines):
+        return config
+    for engine in engines:
+        with_dtype(engine, dtype)
+    out.write_text(yaml.safe_dump(doc))
+    return out
+
+
 def model_folder(config: Path) -> tuple[str, Path, str]:
     """(served model id, the target's Hugging Face folder, dtype) of the config's first app."""
     from serve_app.engine.plan import model_folder as folder_of
