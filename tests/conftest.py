@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import faulthandler
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,13 @@ CHATML = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 CONFIGS = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen2": Qwen2Config, "mistral": MistralConfig}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Keep faulthandler on through interpreter exit (pytest's own plugin turns it off just before): CI once
+    died of SIGSEGV after every test had passed, with nothing saying which thread or frame."""
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
