@@ -300,6 +300,35 @@ def test_a_draft_prefilling_on_the_targets_cores_takes_the_prompt_after_the_targ
     assert calls[:2] == ["target add", "draft add"] and engine.last_costs.k == 3
 
 
+def test_the_first_token_does_not_wait_for_a_draft_prefilling_on_the_targets_cores(tiny_models):
+    """Such a draft takes the prompt at the next step, once the first token is out: its prefill (about 1.1 s
+    a request for the pair's 0.5 B draft in float32 on two cores) no longer stands between the target's
+    prefill and the first token. A request that ends or is aborted before that step never reaches the draft;
+    the tokens are plain decoding's either way."""
+    engine = engine_for(tiny_models["qwen3"], draft=tiny_models["qwen3_near"], k=3, batch=2)
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    plain = engine.generate([prompt], GenerationParams(max_tokens=6, method="none", ignore_eos=True))[0]
+    calls = recorded_calls(engine)
+    engine.add_request(prompt, GenerationParams(max_tokens=6, ignore_eos=True), "kept")
+    [first] = engine.step()
+    assert first.token_ids == plain.token_ids[:1] and calls == ["target add"]
+    engine.step()
+    assert calls[:2] == ["target add", "draft add"] and engine.last_costs.k == 3
+    out = []
+    while engine.has_work:
+        out += engine.step()
+    assert out[-1].token_ids == plain.token_ids
+
+    calls.clear()
+    engine.add_request(prompt, GenerationParams(max_tokens=6, ignore_eos=True), "left")
+    engine.step()
+    engine.abort("left")
+    engine.add_request(prompt, GenerationParams(max_tokens=1, ignore_eos=True), "one")
+    [done] = engine.step()
+    assert done.finished and not engine.has_work
+    assert "draft add" not in calls and not engine.deferral.handing
+
+
 class PlainWithProbes(FixedPolicy):
     """Its own choice drafts until ``plain`` is set, then plays plain with a probe of every row's cap
     each ``every``-th round (as ``speculation.realized`` explores while plain leads)."""

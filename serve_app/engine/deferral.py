@@ -57,6 +57,7 @@ class Deferral:
         self.take_features, self.joining = take_features, joining
         self.held: set[str] = set()  # running requests their proposer does not hold yet
         self.early: set[str] = set()  # handed over before the target's prefill (``start``), not running yet
+        self.handing: dict[str, Request] = {}  # taken at ``admit``, to their proposer at ``hand_admitted``
         self.read: dict[str, int] = {}  # tokens of a sequence its draft has read (``reads_late``: at its last draft)
         self.handed_over = False  # the last ``split`` gave held sequences to their proposer
         self.read_first = 0  # tokens the drafts read this round before drafting (``split`` and ``scout``; ``took``)
@@ -98,7 +99,16 @@ class Deferral:
                     self.held.add(req.request_id)
                     continue
             taken.append(req)
-        self._hand(taken)
+        self._hand([r for r in taken if self.proposers[r.method].prefills_aside])
+        self.handing.update((r.request_id, r) for r in taken if not self.proposers[r.method].prefills_aside)
+
+    def hand_admitted(self, running: Mapping[str, Request]) -> None:
+        """Requests ``admit`` took for a proposer that prefills on the target's cores (``Proposer.prefills_aside``
+        false; those still in ``running``): to it now, before the round, after their first tokens went out. Its
+        prefill no longer holds the first token back (the pair's 0.5 B draft in float32: about 1.1 s)."""
+        requests = [req for seq_id, req in self.handing.items() if seq_id in running]
+        self.handing.clear()
+        self._hand(requests)
 
     def _hand(self, requests: Sequence[Request]) -> None:
         """Each request to its proposer, with its whole context so far (and the target's features of it,
@@ -194,9 +204,11 @@ class Deferral:
     def discard(self, seq_id: str) -> None:
         self.held.discard(seq_id)
         self.early.discard(seq_id)
+        self.handing.pop(seq_id, None)
         self.read.pop(seq_id, None)
 
     def clear(self) -> None:
         self.held.clear()
         self.early.clear()
+        self.handing.clear()
         self.read.clear()

@@ -181,8 +181,9 @@ class Engine:
             overhead = self.timer.overhead()  # the engine's and its caller's work since the last round
             admitted, first = self._admit()
             if first and self.admission.prefill_chunk is None or not self.running:
-                self.timer.reset()  # first tokens out now, from the prefills; a round next step
+                self.timer.reset()  # first tokens out now, from the prefills; proposers and a round next step
                 return first
+            self.deferral.hand_admitted(self.running)  # prompts cached since the last round, first tokens out
             start = time.perf_counter()
             block = self._propose(list(self.running.values()))
             verify_start = time.perf_counter()
@@ -223,9 +224,8 @@ class Engine:
         return outputs
 
     def _admit(self) -> tuple[bool, list[RequestOutput]]:
-        """Admission's step (``engine.admission``); a request whose prompt is cached takes its first token
-        (the prefill's), then enters the round, and its proposer as ``engine.deferral`` decides. Returns
-        whether anything was admitted or cached, and the outputs of those first tokens."""
+        """Admission's step (``engine.admission``): a cached prompt's request takes its first token (the prefill's)
+        and enters the round (its proposer as ``engine.deferral`` decides). Returns (admitted or cached, outputs)."""
         joining = self.deferral.joining()  # what this step admits, at most
         batch = [*self.running.values(), *self.prefilling, *joining]
         admitted, ready, tokens = self.admission.step(self.verifier, lambda req: self.deferral.start(req, batch))
