@@ -50,7 +50,8 @@ def fresh_kv(path, tokens: list[int]) -> torch.Tensor:
 def test_a_dropped_block_leaves_no_trace_in_either_cache(tiny_models):
     """After every round, each running sequence's draft cache holds exactly its decided tokens (but the
     last), or those plus the block drafted ahead that held; the target's holds the decided tokens. Both
-    equal a fresh prefill of those tokens."""
+    equal a fresh prefill of those tokens. (Right after its first token, a sequence is not with this draft
+    yet: it prefills on the target's cores, so it takes the prompt at the next step, ``Deferral.hand_admitted``.)"""
     target, draft = tiny_models["qwen3"], tiny_models["qwen3_near"]
     engine = engine_for(target, draft=draft, k=1, overlap=True, k_policy="fixed")  # k = 1: hits and misses
     proposer, runner = engine.proposers["draft"], engine.verifier.runner
@@ -64,6 +65,9 @@ def test_a_dropped_block_leaves_no_trace_in_either_cache(tiny_models):
             decided = req.prompt_ids + req.output_ids
             assert runner.length(seq_id) == len(decided) - 1
             torch.testing.assert_close(kv(runner, seq_id), fresh_kv(target, decided[:-1]))
+            if seq_id in engine.deferral.handing:
+                assert len(req.output_ids) == 1 and seq_id not in engine.ahead.ready
+                continue
             ready = engine.ahead.ready.get(seq_id)
             drafted = [] if ready is None else ready.draft_tokens[0, : int(ready.num_draft_tokens[0]) - 1].tolist()
             misses += ready is None
