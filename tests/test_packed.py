@@ -24,6 +24,7 @@ from serve_app.models.packed import (
     WIDE_FROM_ROWS,
     WIDE_FROM_ROWS_PAIRS,
     PackedLinear,
+    avx2_only,
     linear_kernel,
     onednn_bf16,
     onednn_fp32,
@@ -91,13 +92,44 @@ def test_the_avx2_kernel_rounds_the_float32_sum_once(shape, bias, out_features, 
     torch.testing.assert_close(got, linear(x), rtol=2**-7, atol=1e-2)
 
 
+# every weight format of our kernel this CPU runs: bfloat16 in its layouts, int8 in its, float32 (AVX2)
+KINDS = [*LAYOUTS, *(f"int8-{lay}" for lay in INT8_LAYOUTS), "float32"]
+
+
+def kernel_of(linear: nn.Linear, kind: str) -> tuple[Avx2Linear, torch.dtype]:
+    """Our kernel for a float32 ``linear`` in one of ``KINDS``, and the dtype of its x."""
+    if kind == "float32":
+        return Avx2Linear(linear), torch.float32
+    weights, layout = ("int8", kind[5:]) if kind.startswith("int8-") else ("model", kind)
+    return Avx2Linear(linear.to(torch.bfloat16), weights, layout=layout), torch.bfloat16
+
+
 @needs_avx2
-@pytest.mark.parametrize("layout", [*LAYOUTS, *(f"int8-{lay}" for lay in INT8_LAYOUTS)])
-def test_a_rows_result_does_not_depend_on_the_rows_it_is_batched_with(layout):
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 40), (2, 40), (5, 41), (7, 300), (3, 13, 40), (1, 70, 301), (6, 4096)])
+@pytest.mark.parametrize("out_features", [16, 50, 96])
+def test_the_avx2_kernel_computes_a_float32_linear_to_float32_rounding(shape, bias, out_features):
+    # a float32 model's weights stream from the same tiles as bfloat16's, 64 bytes a k step, nothing converted
+    torch.manual_seed(6)
+    linear = nn.Linear(shape[-1], out_features, bias=bias)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        got = Avx2Linear(linear)(x)
+        exact = x.double() @ linear.weight.double().T + (0 if linear.bias is None else linear.bias.double())
+        reference = linear(x)
+    assert got.dtype == torch.float32 and got.shape == (*shape[:-1], out_features)
+    # one float32 sum in k order: its rounding grows with K, far under bfloat16's
+    scale = (x.double().abs() @ linear.weight.double().abs().T).max()
+    assert (got.double() - exact).abs().max() <= scale * shape[-1] * 2**-24 + 1e-6
+    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5 * shape[-1] ** 0.5)
+
+
+@needs_avx2
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rows_result_does_not_depend_on_the_rows_it_is_batched_with(kind):
     torch.manual_seed(1)
-    weights, layout = ("int8", layout[5:]) if layout.startswith("int8-") else ("bfloat16", layout)
-    linear = Avx2Linear(nn.Linear(704, 130, bias=True).to(torch.bfloat16), weights, layout=layout)
-    x = torch.randn(23, 704, dtype=torch.bfloat16)
+    linear, dtype = kernel_of(nn.Linear(704, 130, bias=True), kind)
+    x = torch.randn(23, 704, dtype=dtype)
     with torch.no_grad():
         together = linear(x)
         for rows in (1, 2, 5, 6, 7, 8, 13, 16, 20):  # panels split evenly: 16 rows as 6, 5, 5
@@ -105,19 +137,17 @@ def test_a_rows_result_does_not_depend_on_the_rows_it_is_batched_with(layout):
 
 
 @needs_avx2
-@pytest.mark.parametrize("layout", [*LAYOUTS, *(f"int8-{lay}" for lay in INT8_LAYOUTS)])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("out_features", [16, 200, 1030])
-def test_the_result_does_not_depend_on_how_many_threads_share_the_work(layout, out_features):
+def test_the_result_does_not_depend_on_how_many_threads_share_the_work(kind, out_features):
     # the blocks go to whichever thread is free (a thread the OS preempts holds up only the run it is on):
     # every block computed once, by one thread, in the same order of sums, whatever the thread count
     torch.manual_seed(2)
-    linear = nn.Linear(320, out_features, bias=True).to(torch.bfloat16)
-    weights, layout = ("int8", layout[5:]) if layout.startswith("int8-") else ("bfloat16", layout)
-    kernel = Avx2Linear(linear, weights, layout=layout)
+    kernel, dtype = kernel_of(nn.Linear(320, out_features, bias=True), kind)
     threads = torch.get_num_threads()
     try:
         for rows in (1, 5, 16):
-            x = torch.randn(rows, 320, dtype=torch.bfloat16)
+            x = torch.randn(rows, 320, dtype=dtype)
             results = []
             for n in (1, 2, 3, 7):
                 torch.set_num_threads(n)
@@ -140,8 +170,11 @@ def test_each_kind_of_weights_takes_the_cpus_widest_layout_for_it():
     assert Avx2Linear(nn.Linear(40, 32).to(torch.bfloat16), "int8").layout == "avx2"  # not whole blocks of 32
     with pytest.raises(ValueError, match="pairs layout does not take int8"):
         Avx2Linear(linear, "int8", layout="pairs")
-    with pytest.raises(ValueError, match="quads layout does not take bfloat16"):
+    with pytest.raises(ValueError, match="quads layout does not take model"):
         Avx2Linear(linear, layout="quads")
+    assert Avx2Linear(nn.Linear(64, 32)).layout == "avx2"  # float32: the AVX2 layout on every CPU
+    with pytest.raises(ValueError, match="pairs layout does not take model weights of torch.float32"):
+        Avx2Linear(nn.Linear(64, 32), layout="pairs")
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,7 +285,9 @@ def test_bfloat16_weights_run_few_rows_on_the_avx2_kernel_and_many_on_onednn():
     assert pack_linears(float32, "onednn") == 1 and isinstance(float32[0], PackedLinear)  # float32: oneDNN only
 
 
-def test_the_runner_packs_bfloat16_models_with_the_cpus_kernel_and_float32_on_onednn(tiny_models):
+def test_the_runner_packs_bfloat16_models_with_the_cpus_kernel_and_float32_on_avx2_or_onednn(tiny_models):
+    # float32 on our kernel where AVX2 is the CPU's widest (oneDNN's float32 gains little from a batch of
+    # rows there), on oneDNN elsewhere
     def linears(runner):
         kinds = (nn.Linear, PackedLinear, Avx2Linear)
         return {type(m).__name__ for m in runner.model.modules() if isinstance(m, kinds)}
@@ -263,7 +298,8 @@ def test_the_runner_packs_bfloat16_models_with_the_cpus_kernel_and_float32_on_on
     expected = {"onednn": {"PackedLinear", "Avx2Linear"} if extension() is not None else {"PackedLinear"},
                 "avx2": {"Avx2Linear"}, None: {"Linear"}}[kernel]
     assert linears(bf16) == expected
-    assert linears(fp32) == ({"PackedLinear"} if onednn_fp32() else {"Linear"})
-    assert linear_kernel(torch.float32, "cpu") == ("onednn" if onednn_fp32() else None)
+    fp32_kernel = "avx2" if avx2_only() and extension() is not None else "onednn" if onednn_fp32() else None
+    assert linear_kernel(torch.float32, "cpu") == fp32_kernel
+    assert linears(fp32) == {"avx2": {"Avx2Linear"}, "onednn": {"PackedLinear"}, None: {"Linear"}}[fp32_kernel]
     assert linear_kernel(torch.float32, "cuda") is None and linear_kernel(torch.float16, "cpu") is None
     assert pack_linears(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), "onednn") == 1  # float32 packs everywhere

@@ -1,5 +1,6 @@
 // y = x @ w^T + b for bfloat16 x and b on an AVX2 + FMA CPU, accumulated in float32 (see avx2_linear.py); w in
-// bfloat16, or in int8 with a float32 scale per output column (a draft model's weights at half the bytes).
+// bfloat16, or in int8 with a float32 scale per output column (a draft model's weights at half the bytes). And
+// the same for a float32 model: x, w, b and y in float32, the same tiles loading float32 weights.
 //
 // The weight is packed once into blocks of 16 output columns, [N / 16][K][16], so a block streams
 // from memory in one run; x is laid out as panels of up to 6 rows (split evenly: 16 rows as 6, 5, 5),
@@ -98,6 +99,15 @@ struct Int8Weights {  // 16 bytes; each column's scale is applied once, to its f
   }
 };
 
+struct F32Weights {  // 64 bytes, a cache line a k step
+  using T = float;
+  static constexpr int64_t order[NB] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  static inline void load(const T* p, __m256& lo, __m256& hi) {
+    lo = _mm256_loadu_ps(p);
+    hi = _mm256_loadu_ps(p + 8);
+  }
+};
+
 // acc[R][16] += panel[k][0..R) * w[k][16] over kn steps, for B adjacent weight blocks (B = 2 gives
 // 1-2 row tiles four independent FMA chains instead of two; each output's sum runs in the same order).
 template <class W, int R, int B>
@@ -138,10 +148,21 @@ inline void run_tile(int64_t rows, const float* panel, const typename W::T* w, i
   }
 }
 
+// 16 outputs of a row, rounded to bfloat16 or kept in float32
+inline void store16(uint16_t* dst, __m256 lo, __m256 hi) {
+  store_bf16x8(dst, lo);
+  store_bf16x8(dst + 8, hi);
+}
+inline void store16(float* dst, __m256 lo, __m256 hi) {
+  _mm256_storeu_ps(dst, lo);
+  _mm256_storeu_ps(dst + 8, hi);
+}
+
 // Rows of y for the 16 columns of block nb from their float32 sums (acc: [panels][2][MT][NB]), times
 // each column's scale (int8) plus bias; the last block may hold fewer than 16 columns.
+template <class Y>
 inline void finish(int64_t nb, const float* acc, int64_t M, const Panels& panels, const float* scales,
-                   const float* bp, uint16_t* yp, int64_t n_out) {
+                   const float* bp, Y* yp, int64_t n_out) {
   const int64_t col = nb * NB, width = std::min<int64_t>(NB, n_out - col);
   float bias16[NB] = {0}, scale16[NB] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
   if (bp) std::memcpy(bias16, bp + col, width * sizeof(float));
@@ -151,10 +172,9 @@ inline void finish(int64_t nb, const float* acc, int64_t M, const Panels& panels
   for (int64_t m = 0; m < M; ++m) {
     const int64_t slot = panels.slot(m);
     const float* a = acc + (slot / MT) * 2 * MT * NB + (slot % MT) * NB;
-    uint16_t out[NB];
-    store_bf16x8(out, _mm256_fmadd_ps(_mm256_loadu_ps(a), s0, b0));
-    store_bf16x8(out + 8, _mm256_fmadd_ps(_mm256_loadu_ps(a + 8), s1, b1));
-    std::memcpy(yp + m * n_out + col, out, width * sizeof(uint16_t));
+    Y out[NB];
+    store16(out, _mm256_fmadd_ps(_mm256_loadu_ps(a), s0, b0), _mm256_fmadd_ps(_mm256_loadu_ps(a + 8), s1, b1));
+    std::memcpy(yp + m * n_out + col, out, width * sizeof(Y));
   }
 }
 
@@ -165,7 +185,7 @@ template <class W>
 struct Avx2Tiles {  // [N / 16][K][16]: the unit's two blocks one after the other
   using X = float;
   using T = typename W::T;
-  static constexpr int64_t STEP = NB, CHUNK = KC;
+  static constexpr int64_t STEP = NB, CHUNK = sizeof(T) == 4 ? KC / 2 : KC;  // a chunk's weights: 16 KB at most
   static int64_t unit(int64_t steps) { return 2 * steps * NB; }
   static Ahead ahead(const T*, int64_t, int64_t) { return {}; }
   static void run(int64_t rows, bool both, const X* panel, const T* w, int64_t steps, int64_t kn, float* acc,
@@ -175,11 +195,11 @@ struct Avx2Tiles {  // [N / 16][K][16]: the unit's two blocks one after the othe
   }
 };
 
-// y [M, n_out] (bfloat16) = x panels @ w^T, times each column's scale (int8), plus bias. ``steps``: the
-// k steps of a panel and a block (K, or K / 2 pairs).
-template <class Tiles>
+// y [M, n_out] (bfloat16 or float32) = x panels @ w^T, times each column's scale (int8), plus bias. ``steps``:
+// the k steps of a panel and a block (K, or K / 2 pairs).
+template <class Tiles, class Y = uint16_t>
 void matmul(const typename Tiles::X* xp, int64_t M, int64_t steps, const typename Tiles::T* wp, int64_t blocks,
-            const float* scales, const float* bp, uint16_t* yp, int64_t n_out) {
+            const float* scales, const float* bp, Y* yp, int64_t n_out) {
   const Panels split(M);
   const int64_t panels = split.count;
   // Work unit: a pair of adjacent blocks (32 columns) over all rows; a thread takes runs of adjacent units
@@ -348,15 +368,16 @@ bool cpu_has_vnni() {
 #pragma GCC pop_options
 }  // namespace
 
-// w [N, K] (bfloat16, or int8 quantized per output column) -> [ceil(N / 16), K, 16], the rows past N zero
+// w [N, K] (bfloat16, float32, or int8 quantized per output column) -> [ceil(N / 16), K, 16], the rows past N zero
 torch::Tensor pack(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kChar),
-              "pack: a 2-D bfloat16 or int8 weight");
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat ||
+                               w.scalar_type() == at::kChar),
+              "pack: a 2-D bfloat16, float32 or int8 weight");
   const bool bf16 = w.scalar_type() == at::kBFloat16;
   int64_t N = w.size(0), K = w.size(1), blocks = (N + NB - 1) / NB;
   auto padded = at::zeros({blocks * NB, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
-  const int64_t* order = bf16 ? Bf16Weights::order : Int8Weights::order;
+  const int64_t* order = bf16 ? Bf16Weights::order : F32Weights::order;  // the others: in column order
   auto index = torch::from_blob(const_cast<int64_t*>(order), {NB}, torch::kLong).clone();
   return padded.view({blocks, NB, K}).index_select(1, index).transpose(1, 2).contiguous();
 }
@@ -380,7 +401,7 @@ bool has_avx512_bf16() {
   return has;
 }
 
-// What both entry points share: x as rows [M, K], y [M, n_out] (bfloat16) to fill, the bias in float32.
+// What the entry points share: x as rows [M, K], y [M, n_out] (x's dtype) to fill, the bias in float32.
 struct Rows {
   std::vector<int64_t> shape;  // y's shape: x's with n_out last
   torch::Tensor x2, y, bias;   // bias undefined when there is none
@@ -400,17 +421,21 @@ struct Rows {
   }
   const uint16_t* xs() const { return reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>()); }
   uint16_t* yp() { return reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()); }
+  const float* xf() const { return x2.data_ptr<float>(); }
+  float* yf() { return y.data_ptr<float>(); }
   const float* bp() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
   torch::Tensor result() const { return y.view(shape); }
 };
 
 // y = (x @ w^T) * scales + bias: x bfloat16 [..., K]; packed from ``pack``; scales float32 [n_out] for an
-// int8 weight; bias bfloat16 [n_out] or none. y bfloat16 [..., n_out].
+// int8 weight; bias bfloat16 [n_out] or none. y bfloat16 [..., n_out]. Or x, a packed weight, bias and y all
+// float32 (a float32 model).
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n_out, c10::optional<torch::Tensor> scales_opt,
                      c10::optional<torch::Tensor> bias_opt) {
-  const bool int8 = packed.scalar_type() == at::kChar;
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && (int8 || packed.scalar_type() == at::kBFloat16),
-              "linear: bfloat16 x, a bfloat16 or int8 packed weight");
+  const bool int8 = packed.scalar_type() == at::kChar, f32 = packed.scalar_type() == at::kFloat;
+  TORCH_CHECK(f32 ? x.scalar_type() == at::kFloat
+                  : x.scalar_type() == at::kBFloat16 && (int8 || packed.scalar_type() == at::kBFloat16),
+              "linear: bfloat16 x with a bfloat16 or int8 packed weight, or float32 x with a float32 one");
   TORCH_CHECK(int8 == (scales_opt.has_value() && scales_opt->defined()), "linear: scales go with an int8 weight");
   const int64_t blocks = packed.size(0), K = packed.size(1);
   TORCH_CHECK(x.size(-1) == K, "linear: x has ", x.size(-1), " features, the weight ", K);
@@ -423,13 +448,21 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n_out, c10::
   std::vector<float> xpanel(rows.panels() * K * MT, 0.f);
   for (int64_t m = 0; m < M; ++m) {
     float* dst = xpanel.data() + rows.first(m, K);
+    if (f32) {
+      const float* src = rows.xf() + m * K;
+      for (int64_t k = 0; k < K; ++k) dst[k * MT] = src[k];
+      continue;
+    }
     const uint16_t* src = rows.xs() + m * K;
     for (int64_t k = 0; k < K; ++k) {
       uint32_t bits = static_cast<uint32_t>(src[k]) << 16;
       std::memcpy(dst + k * MT, &bits, sizeof(float));
     }
   }
-  if (int8)
+  if (f32)
+    matmul<Avx2Tiles<F32Weights>>(xpanel.data(), M, K, packed.data_ptr<float>(), blocks, nullptr, rows.bp(),
+                                  rows.yf(), n_out);
+  else if (int8)
     matmul<Avx2Tiles<Int8Weights>>(xpanel.data(), M, K, packed.data_ptr<int8_t>(), blocks, scales.data_ptr<float>(),
                                    rows.bp(), rows.yp(), n_out);
   else
@@ -532,8 +565,8 @@ torch::Tensor linear_quads(torch::Tensor x, torch::Tensor packed, int64_t n_out,
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack, "pack a bfloat16 or int8 weight [N, K] into [ceil(N / 16), K, 16]");
-  m.def("linear", &linear, "y = (x @ w^T) * scales + b, bfloat16 x and y, float32 sums");
+  m.def("pack", &pack, "pack a bfloat16, float32 or int8 weight [N, K] into [ceil(N / 16), K, 16]");
+  m.def("linear", &linear, "y = (x @ w^T) * scales + b, bfloat16 (or float32) x and y, float32 sums");
   m.def("pack_pairs", &pack_pairs, "pack a bfloat16 weight [N, K] into [ceil(N / 32), ceil(K / 2), 64]");
   m.def("linear_pairs", &linear_pairs, "y = x @ w^T + b for a weight from pack_pairs (AVX-512 BF16)");
   m.def("has_avx512_bf16", &has_avx512_bf16, "whether this CPU runs linear_pairs");

@@ -23,6 +23,10 @@ CPU has AVX-512 VNNI (Intel from Cascade Lake, AMD Zen 4 on), the ``quads`` layo
 row in blocks of 32 values with a float32 scale a block (as llama.cpp's q8_0 does its activations), and
 multiplies 4 int8 pairs per 32-bit lane in one instruction, exact in int32 (``avx2_linear.cpp``).
 
+A float32 model's linears run on the same tiles (``weights="model"`` with a float32 weight: x, weight,
+bias and y in float32, 64 bytes of weights a k step, nothing converted) where AVX2 is the CPU's widest
+(``models.packed``): there oneDNN's float32 kernel costs about twice a one-row step for a few rows (FLOAT32_NOTE).
+
 The build needs a C++ compiler and ninja (a dependency); without them, or on another CPU, the model
 keeps ``F.linear`` and the log says why once.
 """
@@ -74,7 +78,7 @@ def extension() -> ModuleType | None:
                  "bfloat16 linears use F.linear, several times slower for more than one row on this CPU")
 
 
-Weights = Literal["bfloat16", "int8"]
+Weights = Literal["model", "int8"]  # the model's own (bfloat16 or float32), or int8
 Layout = Literal["avx2", "pairs", "quads"]
 QUAD_BLOCK = 32  # x values per quantization block of the ``quads`` layout: its input features a multiple of it
 
@@ -94,7 +98,7 @@ def avx512_vnni() -> bool:
 def widest_layout(weights: Weights, in_features: int) -> Layout:
     """The layout this CPU runs fastest for such weights: bfloat16 in AVX-512 BF16 pairs, int8 in AVX-512
     VNNI quads (``in_features`` a multiple of ``QUAD_BLOCK``), else AVX2."""
-    if weights == "bfloat16":
+    if weights == "model":
         return "pairs" if avx512_bf16() else "avx2"
     return "quads" if in_features % QUAD_BLOCK == 0 and avx512_vnni() else "avx2"
 
@@ -107,17 +111,20 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Avx2Linear(nn.Module):
-    """Inference-only stand-in for a bfloat16 ``nn.Linear`` (same ``in_features``/``out_features``)."""
+    """Inference-only stand-in for a bfloat16 or float32 ``nn.Linear`` (same ``in_features``/``out_features``)."""
 
-    def __init__(self, linear: nn.Linear, weights: Weights = "bfloat16", layout: Layout | None = None):
-        """``layout``: None, the widest this CPU runs for these weights (``widest_layout``)."""
+    def __init__(self, linear: nn.Linear, weights: Weights = "model", layout: Layout | None = None):
+        """``weights``: the linear's own (bfloat16 or float32: its x and y the same) or int8 (bfloat16 x and y).
+        ``layout``: None, the widest this CPU runs for these weights (``widest_layout``; float32: AVX2 only)."""
         super().__init__()
         ext = extension()
         if ext is None:
-            raise RuntimeError("the AVX2 bfloat16 kernel is not available on this machine")
-        layout = layout or widest_layout(weights, linear.in_features)
-        if (layout == "pairs") != (weights == "bfloat16") and layout != "avx2":
-            raise ValueError(f"the {layout} layout does not take {weights} weights (pairs: bfloat16, quads: int8)")
+            raise RuntimeError("the AVX2 linear kernel is not available on this machine")
+        float32 = weights == "model" and linear.weight.dtype == torch.float32
+        layout = layout or ("avx2" if float32 else widest_layout(weights, linear.in_features))
+        if ((layout == "pairs") != (weights == "model") and layout != "avx2") or (float32 and layout != "avx2"):
+            raise ValueError(f"the {layout} layout does not take {weights} weights of {linear.weight.dtype} "
+                             "(pairs: bfloat16, quads: int8, avx2: any)")
         self.ext, self.layout = ext, layout
         self.in_features, self.out_features = linear.in_features, linear.out_features
         with torch.no_grad():
@@ -129,9 +136,10 @@ class Avx2Linear(nn.Module):
                 self.packed = nn.Buffer(ext.pack_quads(q) if layout == "quads" else ext.pack(q), persistent=False)
                 self.scale: torch.Tensor | None = nn.Buffer(scale, persistent=False)
             else:
-                self.packed = nn.Buffer(ext.pack(linear.weight.detach().to(torch.bfloat16)), persistent=False)
+                own = torch.float32 if float32 else torch.bfloat16
+                self.packed = nn.Buffer(ext.pack(linear.weight.detach().to(own)), persistent=False)
                 self.scale = None
-        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        bias = None if linear.bias is None else linear.bias.detach().to(torch.float32 if float32 else torch.bfloat16)
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,11 @@ WIDE_FROM_ROWS = 8  # a forward of this many rows or more runs on oneDNN (``Spli
 WIDE_FROM_ROWS_PAIRS = 24  # ...or this many where our kernel has the AVX-512 BF16 layout
 
 
+def avx2_only() -> bool:
+    """An x86 CPU whose widest vectors are AVX2 (AMD Zen 1-3, Intel before Skylake-SP)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
 def onednn_fp32() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
@@ -60,6 +65,8 @@ def linear_kernel(dtype: torch.dtype, device: str | torch.device) -> LinearKerne
     if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     if dtype == torch.float32:
+        if avx2_only() and extension() is not None:
+            return "avx2"
         return "onednn" if onednn_fp32() else None
     if onednn_bf16():
         return "onednn"
@@ -106,7 +113,7 @@ class SplitLinear(nn.Module):
     150 tokens 642 / 348 ms, its decode step 29.7 / 56.0. (Where the CPU has AVX-512 VNNI, int8 weights
     take that layout alone: ``pack_linears``.) Holds both layouts of the weight."""
 
-    def __init__(self, linear: nn.Linear, weights: Weights = "bfloat16"):
+    def __init__(self, linear: nn.Linear, weights: Weights = "model"):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.narrow, self.wide = Avx2Linear(linear, weights), PackedLinear(linear)
@@ -116,7 +123,7 @@ class SplitLinear(nn.Module):
         return (self.wide if x.numel() >= self.wide_from * self.in_features else self.narrow)(x)
 
 
-def pack_linears(model: nn.Module, kernel: LinearKernel = "onednn", weights: Weights = "bfloat16") -> int:
+def pack_linears(model: nn.Module, kernel: LinearKernel = "onednn", weights: Weights = "model") -> int:
     """Replace every ``nn.Linear`` of an inference model by a packed one: bfloat16 (or int8) weights on
     the AVX2 kernel for few rows and oneDNN for many where the CPU has both (``SplitLinear``), else on
     the one it has; int8 weights on the AVX-512 VNNI layout at every row count; float32 on oneDNN.
