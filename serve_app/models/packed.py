@@ -24,13 +24,16 @@ the bytes of a decode step; on the AVX2 layout it is compute-bound from a few ro
 runs about twice as fast. On the AVX-512 VNNI layout (x rounded to int8 too) it is ahead of oneDNN's
 bfloat16 at every row count measured (1 to 300 rows, the 0.5 B draft's layers: 0.7x its time at 150), so
 such a weight keeps that layout alone, and no bfloat16 copy.
-float32 packs into oneDNN's layout too (``onednn_fp32``), at every row count: ``F.linear`` runs float32 on
-MKL, which on an AMD CPU takes a slow path (measured, Zen 3, two threads, a forward's linears and lm_head:
-the 1.5 B target 0.63x ``F.linear``'s time at one row, 0.38-0.54x at 2-16 rows, 0.82x at 256; the 0.5 B
-draft 0.39-0.65x at 1-16 rows; SmolLM2-135M 0.52-0.91x at 1-16 rows, 1.03-1.07x at 64-256). Its sums
-round differently from MKL's, so float32 matches Hugging Face's tokens, not its bits (the tests compare
-greedy tokens with transformers as they did: our fused q/k/v and gate/up projections never matched its
-bits either).
+float32 runs on our kernel where AVX2 is the CPU's widest (``avx2_only``: AMD Zen 1-3), at every row count:
+there ``F.linear`` runs float32 on MKL's slow path for an AMD CPU, and oneDNN's packed float32 costs about
+twice a one-row step for 2-5 rows, where ours streams the weights once for up to six (measured, Zen 3, two
+threads, a forward's linears and lm_head with random weights of each model's shapes, ours / oneDNN: the
+1.5 B target 236 / 277 ms at one row, 230-252 / 438-484 at 2-5, 455 / 812 at 16, 5095 / 5915 at 256; the
+0.5 B draft 0.51-0.54x oneDNN's time at 2-16 rows, 0.98x at 256; SmolLM2-135M 0.33-0.46x at 2-16, 0.80x at
+256). On a CPU with AVX-512 float32 packs into oneDNN's layout (``onednn_fp32``; not measured against ours
+there). Either way float32 matches Hugging Face's tokens, not its bits (the tests compare greedy tokens with
+transformers: our fused q/k/v and gate/up projections never matched its bits either); on ours a row's sums
+do not depend on the rows batched with it, as in bfloat16.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ WIDE_FROM_ROWS_PAIRS = 24  # ...or this many where our kernel has the AVX-512 BF
 
 
 def avx2_only() -> bool:
-    """An x86 CPU whose widest vectors are AVX2 (AMD Zen 1-3, Intel before Skylake-SP)."""
+    """An x86 CPU whose widest vectors are AVX2 (AMD Zen 1-3, Intel without AVX-512)."""
     return torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
