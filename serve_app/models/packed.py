@@ -1,4 +1,4 @@
-"""Linear layers with weights packed once at load time, on CPU (bfloat16, and float32 on oneDNN).
+"""Linear layers with weights packed once at load time, on CPU (bfloat16, and float32).
 
 Two kernels, by what the CPU does natively (``linear_kernel``):
 - ``onednn``: where it converts bfloat16 natively (AVX-512 BW/VL/DQ or AVX-NE-CONVERT). ``F.linear``
@@ -25,8 +25,8 @@ runs about twice as fast. On the AVX-512 VNNI layout (x rounded to int8 too) it 
 bfloat16 at every row count measured (1 to 300 rows, the 0.5 B draft's layers: 0.7x its time at 150), so
 such a weight keeps that layout alone, and no bfloat16 copy.
 float32 runs on our kernel where AVX2 is the CPU's widest (``avx2_only``: AMD Zen 1-3), at every row count:
-there ``F.linear`` runs float32 on MKL's slow path for an AMD CPU, and oneDNN's packed float32 costs about
-twice a one-row step for 2-5 rows, where ours streams the weights once for up to six (measured, Zen 3, two
+there ``F.linear`` runs float32 on MKL's slow path for an AMD CPU, and oneDNN's packed float32 costs
+1.6-1.7x a one-row step for 2-5 rows, where ours streams the weights once for up to six (measured, Zen 3, two
 threads, a forward's linears and lm_head with random weights of each model's shapes, ours / oneDNN: the
 1.5 B target 236 / 277 ms at one row, 230-252 / 438-484 at 2-5, 455 / 812 at 16, 5095 / 5915 at 256; the
 0.5 B draft 0.51-0.54x oneDNN's time at 2-16 rows, 0.98x at 256; SmolLM2-135M 0.33-0.46x at 2-16, 0.80x at
@@ -129,7 +129,8 @@ class SplitLinear(nn.Module):
 def pack_linears(model: nn.Module, kernel: LinearKernel = "onednn", weights: Weights = "model") -> int:
     """Replace every ``nn.Linear`` of an inference model by a packed one: bfloat16 (or int8) weights on
     the AVX2 kernel for few rows and oneDNN for many where the CPU has both (``SplitLinear``), else on
-    the one it has; int8 weights on the AVX-512 VNNI layout at every row count; float32 on oneDNN.
+    the one it has; int8 weights on the AVX-512 VNNI layout at every row count; float32 on the one
+    ``linear_kernel`` names (ours where AVX2 is the CPU's widest, else oneDNN).
     Returns how many."""
     def packed(linear: nn.Linear) -> nn.Module:
         if kernel == "onednn" and (linear.weight.dtype != torch.bfloat16 or extension() is None):
