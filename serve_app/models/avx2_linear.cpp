@@ -99,9 +99,8 @@ struct Int8Weights {  // 16 bytes; each column's scale is applied once, to its f
   }
 };
 
-struct F32Weights {  // 64 bytes, a cache line a k step
+struct F32Weights {  // 64 bytes, a cache line a k step; columns in order, as int8's
   using T = float;
-  static constexpr int64_t order[NB] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   static inline void load(const T* p, __m256& lo, __m256& hi) {
     lo = _mm256_loadu_ps(p);
     hi = _mm256_loadu_ps(p + 8);
@@ -377,7 +376,7 @@ torch::Tensor pack(torch::Tensor w) {
   int64_t N = w.size(0), K = w.size(1), blocks = (N + NB - 1) / NB;
   auto padded = at::zeros({blocks * NB, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
-  const int64_t* order = bf16 ? Bf16Weights::order : F32Weights::order;  // the others: in column order
+  const int64_t* order = bf16 ? Bf16Weights::order : Int8Weights::order;  // int8 and float32: in column order
   auto index = torch::from_blob(const_cast<int64_t*>(order), {NB}, torch::kLong).clone();
   return padded.view({blocks, NB, K}).index_select(1, index).transpose(1, 2).contiguous();
 }
