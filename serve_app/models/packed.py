@@ -26,7 +26,7 @@ bfloat16 at every row count measured (1 to 300 rows, the 0.5 B draft's layers: 0
 such a weight keeps that layout alone, and no bfloat16 copy.
 float32 runs on our kernel where AVX2 is the CPU's widest (``avx2_only``: AMD Zen 1-3), at every row count:
 there ``F.linear`` runs float32 on MKL's slow path for an AMD CPU, and oneDNN's packed float32 costs
-1.6-1.7x a one-row step for 2-5 rows, where ours streams the weights once for up to six (measured, Zen 3, two
+1.6-1.75x a one-row step for 2-5 rows, where ours streams the weights once for up to six (measured, Zen 3, two
 threads, a forward's linears and lm_head with random weights of each model's shapes, ours / oneDNN: the
 1.5 B target 236 / 277 ms at one row, 230-252 / 438-484 at 2-5, 455 / 812 at 16, 5095 / 5915 at 256; the
 0.5 B draft 0.51-0.54x oneDNN's time at 2-16 rows, 0.98x at 256; SmolLM2-135M 0.33-0.46x at 2-16, 0.80x at
