@@ -5,6 +5,17 @@ A round is filed under its batch bucket (1, 2, 4, 8, 16, ...: rounds of 3 or 4 s
 its arm: the most draft tokens it asked of a sequence, 0 being plain decoding. Per arm, decayed sums
 (``DECAY`` a round of the bucket) of its rounds, their sequences, verified tokens, tokens gained,
 seconds (result to result, everything included) and the tokens a model expected them to gain.
+
+An arm's pace is what its rounds cost in a stretch of its kind. A round that switches between plain
+decoding and drafting (the bucket's last round was of the other kind) costs more: served at one stream
+on the embedded model, a drafting round after plain ones took 65 ms where one after drafting ones took 53
+(the draft reads what it missed), and a plain round after a drafting one 47 where one after plain ones
+took 38 (nothing was sent ahead of it). While one kind leads, every round of the other is such a switch,
+so filed as its pace each arm would be measured at its dearest while the other leads, and whichever led
+would keep the lead: drafting through a collapse of the draft's acceptance, plain decoding through
+requests the draft guesses well. A switch round's seconds count in the bucket's time but not in its arm's
+pace; its drafts count in the acceptance (``switched``: the next round of that arm measures it), and what
+it took past the arm's pace is what a switch that way costs (``switch_s``).
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ DECAY = 0.97  # per round of a bucket: an arm's sums follow about its last 30 ro
 STALE = 0.5  # an arm's weight below this (about 23 rounds after one was played) is stale
 PRIOR_DRAFTS = 4.0  # the model's acceptance counts as this many expected drafts beside a bucket's decayed ones
 PRIOR_ROUNDS = 4.0  # a neighbour's pace counts as this many of a drafting arm's own rounds (``time_factors``)
+SWITCH_EMA = 0.2  # the weight of a switch's excess over its arm's pace in ``ArmRounds.switch_s``
 
 
 def bucket(batch: int) -> int:
@@ -29,21 +41,38 @@ class ArmRounds:
 
     def __init__(self, arms: int = 1):
         self.sums = {f: [0.0] * arms for f in self.FIELDS}
+        self.drafts = {"batch": 0.0, "gained": 0.0, "expected": 0.0}  # every timed drafting round's (``acceptance``)
         self.rounds = 0
         self.elapsed = 0.0  # seconds of every round here that was timed (not decayed)
         self.played: dict[int, int] = {}  # each arm's last round (the bucket's clock when it was played)
+        self.last: int | None = None  # the arm of the last round here
+        self.switched = False  # the last round here switched between plain decoding and drafting
+        self.switch_s = [0.0, 0.0]  # what a switch into plain decoding, into drafting, adds to the arm's pace (EMA)
 
     def add(self, arm: int, batch: int, tokens: int, gained: int, seconds: float | None, expected: float) -> None:
         self.rounds += 1
         self.elapsed += seconds or 0.0
         self.played[arm] = self.rounds
+        self.switched = self.last is not None and (self.last > 0) != (arm > 0)
+        self.last = arm
         for values in self.sums.values():
             values.extend([0.0] * (arm + 1 - len(values)))
             for a in range(len(values)):
                 values[a] *= DECAY
-        if seconds and expected > 0:
+        for f in self.drafts:
+            self.drafts[f] *= DECAY
+        if not seconds or expected <= 0:
+            return
+        if arm:
+            for f, v in zip(self.drafts, (batch, gained, expected), strict=True):
+                self.drafts[f] += v
+        if not self.switched:
             for f, v in zip(self.FIELDS, (1.0, batch, tokens, gained, seconds, expected), strict=True):
                 self.sums[f][arm] += v
+        elif self.measured(arm):
+            into = int(arm > 0)
+            excess = max(seconds - self.sums["seconds"][arm] / self.sums["weight"][arm], 0.0)
+            self.switch_s[into] += SWITCH_EMA * (excess - self.switch_s[into])
 
     def stale(self, arm: int, share: float = 1.0) -> bool:
         """Whether the arm's rounds have faded below ``STALE`` × ``share`` (an arm predicted at a share
@@ -53,6 +82,10 @@ class ArmRounds:
     def measured(self, arm: int) -> bool:
         """Whether a round of the arm was ever measured here (not only played beside an admission)."""
         return arm < len(self.sums["weight"]) and self.sums["weight"][arm] > 0
+
+    def drafted(self) -> bool:
+        """Whether a drafting round was measured here (a switch round too: it measured the drafts)."""
+        return self.drafts["batch"] > 0
 
     def since(self, arm: int) -> int:
         """Rounds since the arm was last played (every round so far if never)."""
@@ -74,16 +107,17 @@ class ArmRounds:
         model, where drafting gains about 10 %, the ratio sat at 0.2-0.6 after a run of rejected blocks,
         though the model's expectations matched what drafting rounds realized within 2 %, and plain
         decoding led 55-70 % of its rounds where a fixed k = 4 decoded 1.08-1.13x plain decoding.)"""
-        batch = sum(self.sums["batch"][1:])
-        expected = sum(self.sums["expected"][1:]) - batch + PRIOR_DRAFTS
-        return (sum(self.sums["gained"][1:]) - batch + PRIOR_DRAFTS) / expected
+        d = self.drafts
+        return (d["gained"] - d["batch"] + PRIOR_DRAFTS) / (d["expected"] - d["batch"] + PRIOR_DRAFTS)
 
     def time_factors(self, model_seconds: Callable[[int], float], arms: int) -> list[float] | None:
         """Per arm 0..arms-1, realized seconds over a model's; None before any round here. ``model_seconds(m)``:
         the model's seconds now for the rounds arm m played here (their mean batch and tokens). An arm not
         measured takes the nearest measured arm's ratio (the model's shape, the realized level: its error
         grows with the distance in k). A drafting arm's own ratio is shrunk toward that of the nearest other
-        measured drafting arm, as if that were ``PRIOR_ROUNDS`` of its rounds, where that makes it cheaper:
+        measured drafting arm, as if that were ``PRIOR_ROUNDS`` of its rounds (no more than that arm's own
+        decayed rounds: an arm probed once in hundreds of rounds is not priced by a neighbour measured once
+        before that), where that makes it cheaper:
         an arm's mean seconds do not fade with its weight, so one slow round of an arm seldom played would
         otherwise set its pace until it is played again, which that pace puts off (in process at one
         stream: the one round of k = 4 in a while took 47 ms where its rounds took 27-30, and it was
@@ -107,9 +141,9 @@ class ArmRounds:
             if not arm or not others:
                 out.append(ratio[arm])
             else:  # never dearer than its own rounds say: a slow outlier fades, a cheaper arm keeps its edge
-                w = weights[arm]
-                shrunk = (w * ratio[arm] + PRIOR_ROUNDS * ratio[nearest(arm, others)]) / (w + PRIOR_ROUNDS)
-                out.append(min(ratio[arm], shrunk))
+                w, n = weights[arm], nearest(arm, others)
+                prior = min(PRIOR_ROUNDS, weights[n])  # a neighbour counts for no more than its own rounds
+                out.append(min(ratio[arm], (w * ratio[arm] + prior * ratio[n]) / (w + prior)))
         return out
 
     def tokens_per_second(self, arm: int) -> float | None:

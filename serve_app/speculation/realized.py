@@ -29,7 +29,9 @@ k = 1 the rate against k is unimodal (each draft token adds less than the one be
 the same), so exploration looks next to the leader, as OSUB does (Combes and Proutière, ICML 2014),
 and at plain decoding, which a fixed cost of every draft call (the hop) can put apart from the rest:
 once ``EXPLORE_EVERY`` rounds of a bucket have gone by with the leader alone, one of those arms whose
-measurement has faded below ``STALE`` rounds is played once. A probe that falls due stays due until a
+measurement has faded below ``STALE`` rounds is played once (twice where it switches between plain
+decoding and drafting: a switch round is dearer than the arm's pace and does not measure it, the round
+after it does; ``speculation.arms``). A probe that falls due stays due until a
 round plays it, so plain rounds sent ahead (``engine.pipeline``) delay it by a round but never swallow
 it. That bounds exploration to 1 round in ``EXPLORE_EVERY``, spent on the arms nearest the best, whose
 rates are nearest it; an arm predicted at a share r of the leader's rate waits longer
@@ -187,7 +189,7 @@ class RealizedPolicy:
     def unexplored(self, rows: Sequence[Row]) -> bool:
         """Whether no drafting round was measured at these rows' batch bucket."""
         calibration = self.realized.buckets.get(bucket(len(rows)))
-        return calibration is None or not any(w > 0 for w in calibration.sums["weight"][1:])
+        return calibration is None or not calibration.drafted()
 
     def explore_pays(self, rows: Sequence[Row], read: int) -> bool:
         """Rows the draft holds none of are never probed (a held row's cap is 0), and requests sent together
@@ -230,7 +232,16 @@ class RealizedPolicy:
         if leader == 0 and (measure := self.measuring(rows, predicted)):
             return measure
         calibration = self.realized.buckets.get(bucket(len(rows)))
-        if calibration is None or calibration.since_other(leader) < EXPLORE_EVERY:
+        if calibration is None:
+            return leader
+        last = min(calibration.last or 0, len(rates) - 1)
+        if (last > 0) != (leader > 0):
+            if calibration.switched and calibration.stale(last):
+                return last  # a switch's second round: what the arm costs in a stretch of it (``speculation.arms``)
+            stay = best(rates[1:]) + 1 if last else 0
+            if not self.switch_pays(rows, predicted, stay, leader, sum(calibration.switch_s)):
+                leader = stay
+        if calibration.since_other(leader) < EXPLORE_EVERY:
             return leader
 
         def due(a: int) -> bool:  # faded, and one play's predicted loss within the share of the time since
@@ -239,10 +250,25 @@ class RealizedPolicy:
                 return False
             if a not in calibration.played:  # the model's guess alone: one round there is worth more
                 return True
-            return calibration.since(a) * predicted[leader][1] * EXPLORE_SHARE >= predicted[a][1] * (1 - share)
+            plays = 2 if (a > 0) != (leader > 0) else 1  # a switch and the round that measures it
+            return calibration.since(a) * predicted[leader][1] * EXPLORE_SHARE >= plays * predicted[a][1] * (1 - share)
 
         stale = [a for a in {leader + 1, leader - 1, 0} if 0 <= a < len(rates) and a != leader and due(a)]
         return max(stale, key=lambda a: rates[a]) if stale else leader
+
+    @staticmethod
+    def switch_pays(rows: Sequence[Row], predicted: Sequence[tuple[float, float]], stay: int, leader: int,
+                    cost: float) -> bool:
+        """Whether changing from plain decoding to drafting or back (from the best arm of the kind played last,
+        ``stay``, to ``leader``) saves more than ``cost`` (a switch there and back, ``ArmRounds.switch_s``: a
+        lead that fades is a switch back) over ``EXPLORE_EVERY`` rounds of the leader, or what the rows may
+        still generate if less: a lead within the noise does not flip the kind every few rounds, each flip
+        paying a switch."""
+        (g_stay, s_stay), (g_lead, s_lead) = predicted[stay], predicted[leader]
+        tokens = EXPLORE_EVERY * g_lead
+        if all(r.remaining for r in rows):
+            tokens = min(tokens, sum(r.remaining for r in rows))
+        return tokens * (s_stay / g_stay - s_lead / g_lead) > cost
 
     def choose(self, rows: Sequence[Row], plain_overhead_hidden: bool = False) -> list[int]:
         """Every row drafts min(its cap, the arm). A pure query."""
