@@ -4,7 +4,8 @@
 A round is filed under its batch bucket (1, 2, 4, 8, 16, ...: rounds of 3 or 4 sequences share one) and
 its arm: the most draft tokens it asked of a sequence, 0 being plain decoding. Per arm, decayed sums
 (``DECAY`` a round of the bucket) of its rounds, their sequences, verified tokens, tokens gained,
-seconds (result to result, everything included) and the tokens a model expected them to gain.
+and seconds (result to result, everything included); over every drafting round, the tokens gained and
+those a model expected (``acceptance``).
 
 An arm's pace is what its rounds cost in a stretch of its kind. A round that switches between plain
 decoding and drafting (the bucket's last round was of the other kind) costs more: served at one stream
@@ -37,7 +38,7 @@ def bucket(batch: int) -> int:
 class ArmRounds:
     """One bucket's arms."""
 
-    FIELDS = ("weight", "batch", "tokens", "gained", "seconds", "expected")
+    FIELDS = ("weight", "batch", "tokens", "gained", "seconds")
 
     def __init__(self, arms: int = 1):
         self.sums = {f: [0.0] * arms for f in self.FIELDS}
@@ -67,7 +68,7 @@ class ArmRounds:
             for f, v in zip(self.drafts, (batch, gained, expected), strict=True):
                 self.drafts[f] += v
         if not self.switched:
-            for f, v in zip(self.FIELDS, (1.0, batch, tokens, gained, seconds, expected), strict=True):
+            for f, v in zip(self.FIELDS, (1.0, batch, tokens, gained, seconds), strict=True):
                 self.sums[f][arm] += v
         elif self.measured(arm):
             into = int(arm > 0)
